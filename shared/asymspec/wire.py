@@ -1,0 +1,802 @@
+"""Binary wire protocol between the edge gateway and the cloud verifier (DESIGN.md §2).
+
+One persistent binary channel (a WebSocket) carries frames for many requests; every frame
+is self-describing and independent of the others, so blocks of different sessions interleave.
+
+Frame layout (one msgpack value per frame, positional, no field names)::
+
+    frame    = array [version, type, field_1, ..., field_n]
+    version  = PROTOCOL_VERSION (1 byte); a mismatch is ErrorCode.VERSION_MISMATCH
+    type     = MessageType code (1 byte)
+    BlockId  = array [session_id, seq, base_len, config_digest]
+    Sampling = array [temperature, top_k, top_p, seed]   (plain msgpack numbers: not p or q)
+    payload  = array [CorrectionKind, field_1, ...]      (TopK, Proposals, FullRow)
+    arrays   = bin of raw little-endian bytes: token ids uint32, probabilities float32
+               (bit-exact: NaN payloads, -0.0, subnormals, inf), full-upload q rows float16
+               (row-major γ × V, V = byte length / 2 / γ)
+    absent   = nil
+
+    type  message            fields after [version, type]
+    1     Hello              edge_id, auth_token
+    2     HelloAck           server_id
+    3     OpenSession        session_id, prompt_tokens, Sampling
+    4     SessionOpened      session_id, prefix_len
+    5     CloseSession       session_id
+    6     VerifyBlock        BlockId, draft_tokens, draft_probs, committed_tail
+    7     VerifyBlockFull    BlockId, draft_tokens, draft_rows, committed_tail
+    8     VerifyResult       BlockId, n_accepted, next_token | nil, payload | nil
+    9     CorrectionRequest  BlockId, kind, size
+    10    CorrectionResponse BlockId, payload
+    11    Commit             BlockId, token
+    12    GenerateRequest    session_id, max_tokens, stop_token_ids
+    13    GenerateTokens     session_id, tokens, done
+    14    ErrorFrame         code, message, session_id | nil, BlockId | nil
+
+`decode` raises only `WireError`. Decoded arrays are zero-copy, read-only numpy views over
+the bytes objects msgpack allocated for each bin field (`.copy()` before mutating). `encode`
+insists on the exact array kinds and shapes and raises TypeError otherwise: a wrong dtype is
+a bug in the caller, not something to cast silently (an int64 token id may not fit uint32).
+Messages compare equal when their encoded fields are equal, so float comparison is bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from types import MappingProxyType
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1  # session ids and seeds: wide enough to pick at random
+# Wire dtypes are explicitly little-endian; decoded arrays are converted to native order.
+_WIRE_U32 = np.dtype("<u4")
+_WIRE_F32 = np.dtype("<f4")
+_WIRE_F16 = np.dtype("<f2")
+
+TokenIds: TypeAlias = npt.NDArray[np.uint32]  # (n,)
+Probs: TypeAlias = npt.NDArray[np.float32]  # (n,)
+HalfRows: TypeAlias = npt.NDArray[np.float16]  # (γ, V)
+
+
+class MessageType(IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    OPEN_SESSION = 3
+    SESSION_OPENED = 4
+    CLOSE_SESSION = 5
+    VERIFY_BLOCK = 6
+    VERIFY_BLOCK_FULL = 7
+    VERIFY_RESULT = 8
+    CORRECTION_REQUEST = 9
+    CORRECTION_RESPONSE = 10
+    COMMIT = 11
+    GENERATE_REQUEST = 12
+    GENERATE_TOKENS = 13
+    ERROR = 14
+
+
+class CorrectionKind(IntEnum):
+    """Escalation ladder after a rejection; also the tag of the matching payload."""
+
+    TOPK = 1
+    PROPOSALS = 2
+    FULL = 3
+
+
+class ErrorCode(IntEnum):
+    VERSION_MISMATCH = 1
+    MALFORMED = 2
+    FRAME_TOO_LARGE = 3
+    UNAUTHORIZED = 4
+    UNKNOWN_SESSION = 5
+    STALE_BLOCK = 6  # the block's base prefix is no longer the session's committed prefix
+    DUPLICATE = 7
+    OVERLOADED = 8
+    INTERNAL = 9
+
+
+class WireError(ValueError):
+    """The only exception `decode` raises; `code` is what to send back in an ErrorFrame."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _malformed(message: str) -> WireError:
+    return WireError(ErrorCode.MALFORMED, message)
+
+
+# --- value types (plain dataclass equality: no arrays inside) ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    temperature: float  # 0 = greedy
+    top_k: int  # 0 = disabled
+    top_p: float  # 1.0 = disabled
+    seed: int
+
+
+def config_digest(sampling: SamplingConfig) -> int:
+    """Stable uint32 naming a sampling config, so a block cannot be verified under another."""
+    # + 0.0 folds -0.0 into 0.0: both mean the same config and must digest the same.
+    canonical = struct.pack(
+        "<dQdQ", sampling.temperature + 0.0, sampling.top_k, sampling.top_p + 0.0, sampling.seed
+    )
+    return zlib.crc32(canonical)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockId:
+    """Binds a block's messages to a request, its base-prefix length, a sequence number and
+    the sampling config, so delayed, duplicated or stale messages are detectable."""
+
+    session_id: int
+    seq: int
+    base_len: int  # committed prefix length the block's drafts extend
+    config_digest: int
+
+
+# --- messages --------------------------------------------------------------------------------
+
+
+class _Wire:
+    """Equality and hashing by encoded fields: arrays compare bitwise (NaN == same NaN)."""
+
+    __slots__ = ()
+
+    def _fields(self) -> list[Any]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Wire)
+        return _packb(self._fields()) == _packb(other._fields())
+
+    def __hash__(self) -> int:
+        return hash((type(self), _packb(self._fields())))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TopK(_Wire):
+    """Target top-K of the rejected position, ordered by probability, and delta_p = 1 - Σ_S p."""
+
+    KIND: ClassVar[CorrectionKind] = CorrectionKind.TOPK
+    token_ids: TokenIds  # (K,)
+    probs: Probs  # (K,)
+    delta_p: np.float32
+
+    def _fields(self) -> list[Any]:
+        if not isinstance(self.delta_p, np.float32):
+            raise TypeError(f"TopK.delta_p: expected np.float32, got {type(self.delta_p)}")
+        # delta_p travels as 4 raw bytes like every other probability.
+        delta_p = np.asarray(self.delta_p, dtype=_WIRE_F32).tobytes()
+        return [self.KIND, _u32s(self.token_ids), _f32s(self.probs), delta_p]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Proposals(_Wire):
+    """Exact recovery: N draws Y ~ p with their p(Y)."""
+
+    KIND: ClassVar[CorrectionKind] = CorrectionKind.PROPOSALS
+    token_ids: TokenIds  # (N,)
+    probs: Probs  # (N,)
+
+    def _fields(self) -> list[Any]:
+        return [self.KIND, _u32s(self.token_ids), _f32s(self.probs)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FullRow(_Wire):
+    """Full fallback: the whole target row p of the rejected position."""
+
+    KIND: ClassVar[CorrectionKind] = CorrectionKind.FULL
+    probs: Probs  # (V,)
+
+    def _fields(self) -> list[Any]:
+        return [self.KIND, _f32s(self.probs)]
+
+
+Payload: TypeAlias = TopK | Proposals | FullRow
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Hello(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.HELLO
+    edge_id: str
+    auth_token: str
+
+    def _fields(self) -> list[Any]:
+        return [_str(self.edge_id), _str(self.auth_token)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HelloAck(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.HELLO_ACK
+    server_id: str
+
+    def _fields(self) -> list[Any]:
+        return [_str(self.server_id)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OpenSession(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.OPEN_SESSION
+    session_id: int
+    prompt_tokens: TokenIds  # (prompt_len,)
+    sampling: SamplingConfig
+
+    def _fields(self) -> list[Any]:
+        s = self.sampling
+        sampling = [float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed)]
+        return [self.session_id, _u32s(self.prompt_tokens), sampling]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SessionOpened(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.SESSION_OPENED
+    session_id: int
+    prefix_len: int
+
+    def _fields(self) -> list[Any]:
+        return [self.session_id, self.prefix_len]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CloseSession(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.CLOSE_SESSION
+    session_id: int
+
+    def _fields(self) -> list[Any]:
+        return [self.session_id]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifyBlock(_Wire):
+    """Compact AsymSpec uplink: γ draft tokens and their q(x_i), never the q rows."""
+
+    TYPE: ClassVar[MessageType] = MessageType.VERIFY_BLOCK
+    block: BlockId
+    draft_tokens: TokenIds  # (γ,)
+    draft_probs: Probs  # (γ,) q_i(x_i)
+    committed_tail: TokenIds  # (0..1,) recovered token the cloud has not seen yet
+
+    def _fields(self) -> list[Any]:
+        return [
+            _block(self.block),
+            _u32s(self.draft_tokens),
+            _f32s(self.draft_probs),
+            _u32s(self.committed_tail),
+        ]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifyBlockFull(_Wire):
+    """Full-upload baseline: the whole q row per draft position in float16 (paper Table I)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.VERIFY_BLOCK_FULL
+    block: BlockId
+    draft_tokens: TokenIds  # (γ,)
+    draft_rows: HalfRows  # (γ, V)
+    committed_tail: TokenIds  # (0..1,)
+
+    def _fields(self) -> list[Any]:
+        rows = _array_bytes(self.draft_rows, _WIRE_F16, 2, "draft_rows")
+        return [_block(self.block), _u32s(self.draft_tokens), rows, _u32s(self.committed_tail)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifyResult(_Wire):
+    """All accepted: n_accepted = γ, next_token = bonus. First rejection at i: n_accepted = i
+    and either correction (the answer to the ladder's first rung: a top-K in the progressive
+    mode, proposals in the exact mode) or next_token (cloud-sampled recovered token, in the
+    modes where the cloud holds q). Exactly one of the two is set."""
+
+    TYPE: ClassVar[MessageType] = MessageType.VERIFY_RESULT
+    block: BlockId
+    n_accepted: int
+    next_token: int | None
+    correction: Payload | None
+
+    def _fields(self) -> list[Any]:
+        correction = None if self.correction is None else self.correction._fields()
+        return [_block(self.block), self.n_accepted, self.next_token, correction]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CorrectionRequest(_Wire):
+    """Edge escalation after a failed certificate; size = K, N proposals, or 0 for FULL."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CORRECTION_REQUEST
+    block: BlockId
+    kind: CorrectionKind
+    size: int
+
+    def _fields(self) -> list[Any]:
+        return [_block(self.block), int(self.kind), self.size]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CorrectionResponse(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.CORRECTION_RESPONSE
+    block: BlockId
+    payload: Payload
+
+    def _fields(self) -> list[Any]:
+        return [_block(self.block), self.payload._fields()]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Commit(_Wire):
+    """The recovered token the edge committed; the cloud may release the retained row."""
+
+    TYPE: ClassVar[MessageType] = MessageType.COMMIT
+    block: BlockId
+    token: int
+
+    def _fields(self) -> list[Any]:
+        return [_block(self.block), self.token]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerateRequest(_Wire):
+    """Target-only generation (SPADE "Target" baseline), streamed back as GenerateTokens."""
+
+    TYPE: ClassVar[MessageType] = MessageType.GENERATE_REQUEST
+    session_id: int
+    max_tokens: int
+    stop_token_ids: TokenIds  # (n_stop,)
+
+    def _fields(self) -> list[Any]:
+        return [self.session_id, self.max_tokens, _u32s(self.stop_token_ids)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerateTokens(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.GENERATE_TOKENS
+    session_id: int
+    tokens: TokenIds  # (n,)
+    done: bool
+
+    def _fields(self) -> list[Any]:
+        return [self.session_id, _u32s(self.tokens), bool(self.done)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ErrorFrame(_Wire):
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+    code: ErrorCode
+    message: str
+    session_id: int | None = None
+    block: BlockId | None = None
+
+    def _fields(self) -> list[Any]:
+        block = None if self.block is None else _block(self.block)
+        return [int(self.code), _str(self.message), self.session_id, block]
+
+
+Message: TypeAlias = (
+    Hello
+    | HelloAck
+    | OpenSession
+    | SessionOpened
+    | CloseSession
+    | VerifyBlock
+    | VerifyBlockFull
+    | VerifyResult
+    | CorrectionRequest
+    | CorrectionResponse
+    | Commit
+    | GenerateRequest
+    | GenerateTokens
+    | ErrorFrame
+)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def _packb(obj: Any) -> bytes:
+    # use_bin_type keeps bytes as bin (not str); floats stay float64 (only sampling knobs).
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def _array_bytes(arr: Any, wire: np.dtype[Any], ndim: int, what: str) -> bytes:
+    ok = isinstance(arr, np.ndarray) and arr.ndim == ndim
+    if not ok or arr.dtype.kind != wire.kind or arr.dtype.itemsize != wire.itemsize:
+        got = f"{arr.dtype} ndim={arr.ndim}" if isinstance(arr, np.ndarray) else type(arr)
+        raise TypeError(f"{what}: expected a {ndim}-D {wire.name} numpy array, got {got}")
+    # astype to the explicit little-endian dtype is a no-op on LE hosts and a bit-exact
+    # byteswap elsewhere; tobytes() emits C order, so a (γ, V) row block is row-major.
+    return arr.astype(wire, copy=False).tobytes()
+
+
+def _u32s(arr: Any) -> bytes:
+    return _array_bytes(arr, _WIRE_U32, 1, "token ids")
+
+
+def _f32s(arr: Any) -> bytes:
+    return _array_bytes(arr, _WIRE_F32, 1, "probabilities")
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected str, got {type(value)}")
+    return value
+
+
+def _block(block: BlockId) -> list[int]:
+    return [block.session_id, block.seq, block.base_len, block.config_digest]
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for `msg`. Range checks are the decoder's: it rejects what it cannot trust."""
+    if not isinstance(msg, _Wire) or not hasattr(msg, "TYPE"):
+        raise TypeError(f"not a wire message: {type(msg)}")
+    return _packb([PROTOCOL_VERSION, int(msg.TYPE), *msg._fields()])
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+class _Fields:
+    """One message's (or nested array's) positional fields; every bad value -> WireError."""
+
+    __slots__ = ("_items", "_pos", "_what")
+
+    def __init__(self, raw: Any, count: int, what: str) -> None:
+        if type(raw) is not list:
+            raise _malformed(f"{what}: expected an array, got {type(raw).__name__}")
+        if len(raw) != count:
+            raise _malformed(f"{what}: expected {count} fields, got {len(raw)}")
+        self._items: list[Any] = raw
+        self._pos = 0
+        self._what = what
+
+    def _next(self) -> tuple[Any, str]:
+        value = self._items[self._pos]
+        self._pos += 1
+        return value, f"{self._what} field {self._pos}"
+
+    def peek_none(self) -> bool:
+        return self._items[self._pos] is None
+
+    def skip(self) -> None:
+        self._pos += 1
+
+    def uint(self, max_value: int = _U32_MAX) -> int:
+        value, where = self._next()
+        # type() rather than isinstance(): msgpack booleans are Python bools, a subclass of int.
+        if type(value) is not int or not 0 <= value <= max_value:
+            raise _malformed(f"{where}: expected an integer in 0..{max_value}, got {value!r:.40}")
+        return value
+
+    def opt_uint(self, max_value: int = _U32_MAX) -> int | None:
+        if self.peek_none():
+            self.skip()
+            return None
+        return self.uint(max_value)
+
+    def real(self) -> float:
+        value, where = self._next()
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _malformed(f"{where}: expected a finite number, got {value!r:.40}")
+        return float(value)
+
+    def boolean(self) -> bool:
+        value, where = self._next()
+        if type(value) is not bool:
+            raise _malformed(f"{where}: expected a bool, got {type(value).__name__}")
+        return value
+
+    def text(self) -> str:
+        value, where = self._next()
+        if type(value) is not str:
+            raise _malformed(f"{where}: expected a str, got {type(value).__name__}")
+        return value
+
+    def raw_bytes(self) -> tuple[bytes, str]:
+        value, where = self._next()
+        if type(value) is not bytes:
+            raise _malformed(f"{where}: expected bin, got {type(value).__name__}")
+        return value, where
+
+    def array(self, wire: np.dtype[Any]) -> npt.NDArray[Any]:
+        raw, where = self.raw_bytes()
+        if len(raw) % wire.itemsize:
+            raise _malformed(f"{where}: {len(raw)} bytes is not a multiple of {wire.itemsize}")
+        # frombuffer over immutable bytes is a read-only zero-copy view; the astype is a
+        # no-op on little-endian hosts and a copy elsewhere, so force read-only either way.
+        arr = np.frombuffer(raw, dtype=wire).astype(wire.newbyteorder("="), copy=False)
+        arr.flags.writeable = False
+        return arr
+
+    def tokens(self) -> TokenIds:
+        return self.array(_WIRE_U32)
+
+    def probs(self) -> Probs:
+        return self.array(_WIRE_F32)
+
+    def nested(self, count: int, what: str) -> _Fields:
+        value, where = self._next()
+        return _Fields(value, count, f"{where} ({what})")
+
+    def block(self) -> BlockId:
+        f = self.nested(4, "BlockId")
+        return BlockId(f.uint(_U64_MAX), f.uint(), f.uint(), f.uint())
+
+    def opt_block(self) -> BlockId | None:
+        if self.peek_none():
+            self.skip()
+            return None
+        return self.block()
+
+    def sampling(self) -> SamplingConfig:
+        f = self.nested(4, "SamplingConfig")
+        temperature, top_k, top_p, seed = f.real(), f.uint(), f.real(), f.uint(_U64_MAX)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise _malformed(f"bad sampling config: temperature={temperature}, top_p={top_p}")
+        return SamplingConfig(temperature, top_k, top_p, seed)
+
+    def payload(self) -> Payload:
+        value, where = self._next()
+        if type(value) is not list or not value:
+            raise _malformed(f"{where}: expected a tagged payload array")
+        kind = _enum(CorrectionKind, value[0], where)
+        if kind is CorrectionKind.TOPK:
+            f = _Fields(value, 4, f"{where} (TopK)")
+            f.skip()
+            ids, probs = f.tokens(), f.probs()
+            raw, raw_where = f.raw_bytes()
+            if len(raw) != 4:
+                raise _malformed(f"{raw_where}: delta_p must be 4 bytes, got {len(raw)}")
+            _same_length(ids, probs, "TopK")
+            return TopK(ids, probs, np.frombuffer(raw, dtype=_WIRE_F32)[0])
+        if kind is CorrectionKind.PROPOSALS:
+            f = _Fields(value, 3, f"{where} (Proposals)")
+            f.skip()
+            ids, probs = f.tokens(), f.probs()
+            _same_length(ids, probs, "Proposals")
+            return Proposals(ids, probs)
+        f = _Fields(value, 2, f"{where} (FullRow)")
+        f.skip()
+        return FullRow(f.probs())
+
+
+def _enum(enum: type[IntEnum], value: Any, where: str) -> Any:
+    if type(value) is not int or value not in enum._value2member_map_:
+        raise _malformed(f"{where}: {value!r:.40} is not a valid {enum.__name__}")
+    return enum(value)
+
+
+def _same_length(tokens: npt.NDArray[Any], values: npt.NDArray[Any], what: str) -> None:
+    if len(tokens) != len(values):
+        raise _malformed(f"{what}: {len(tokens)} token ids but {len(values)} probabilities")
+
+
+def _tail(f: _Fields) -> TokenIds:
+    tail = f.tokens()
+    if len(tail) > 1:
+        raise _malformed(f"committed_tail holds {len(tail)} tokens; at most 1 is allowed")
+    return tail
+
+
+def _verify_block_full(f: _Fields) -> VerifyBlockFull:
+    block, tokens = f.block(), f.tokens()
+    raw, where = f.raw_bytes()
+    gamma = len(tokens)
+    if gamma == 0:
+        if raw:
+            raise _malformed(f"{where}: γ = 0 but draft_rows holds {len(raw)} bytes")
+        vocab = 0
+    else:
+        vocab, rest = divmod(len(raw), _WIRE_F16.itemsize * gamma)
+        if rest or vocab == 0:
+            raise _malformed(f"{where}: {len(raw)} bytes is not γ={gamma} non-empty f16 rows")
+    rows = np.frombuffer(raw, dtype=_WIRE_F16).astype(_WIRE_F16.newbyteorder("="), copy=False)
+    rows = rows.reshape(gamma, vocab)  # (γ, V)
+    rows.flags.writeable = False
+    return VerifyBlockFull(block, tokens, rows, _tail(f))
+
+
+def _verify_result(f: _Fields) -> VerifyResult:
+    block, n_accepted, next_token = f.block(), f.uint(), f.opt_uint()
+    correction = None
+    if f.peek_none():
+        f.skip()
+    else:
+        correction = f.payload()
+    if (next_token is None) == (correction is None):
+        raise _malformed("VerifyResult needs exactly one of next_token and correction")
+    return VerifyResult(block, n_accepted, next_token, correction)
+
+
+def _correction_request(f: _Fields) -> CorrectionRequest:
+    block = f.block()
+    kind: CorrectionKind = _enum(CorrectionKind, f.uint(), "CorrectionRequest kind")
+    size = f.uint()
+    if (kind is CorrectionKind.FULL) != (size == 0):
+        raise _malformed(f"CorrectionRequest {kind.name} with size {size}")
+    return CorrectionRequest(block, kind, size)
+
+
+def _verify_block(f: _Fields) -> VerifyBlock:
+    block, tokens, probs = f.block(), f.tokens(), f.probs()
+    _same_length(tokens, probs, "VerifyBlock")
+    return VerifyBlock(block, tokens, probs, _tail(f))
+
+
+# Read-only: fields per message after [version, type].
+_FIELD_COUNTS = MappingProxyType(
+    {
+        MessageType.HELLO: 2,
+        MessageType.HELLO_ACK: 1,
+        MessageType.OPEN_SESSION: 3,
+        MessageType.SESSION_OPENED: 2,
+        MessageType.CLOSE_SESSION: 1,
+        MessageType.VERIFY_BLOCK: 4,
+        MessageType.VERIFY_BLOCK_FULL: 4,
+        MessageType.VERIFY_RESULT: 4,
+        MessageType.CORRECTION_REQUEST: 3,
+        MessageType.CORRECTION_RESPONSE: 2,
+        MessageType.COMMIT: 2,
+        MessageType.GENERATE_REQUEST: 3,
+        MessageType.GENERATE_TOKENS: 3,
+        MessageType.ERROR: 4,
+    }
+)
+
+
+def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
+    """Parse the fields after [version, type]; one line per message type."""
+    # A field-count mismatch is malformed before any field is read.
+    f = _Fields(raw, _FIELD_COUNTS[msg_type], msg_type.name)
+    match msg_type:
+        case MessageType.HELLO:
+            return Hello(f.text(), f.text())
+        case MessageType.HELLO_ACK:
+            return HelloAck(f.text())
+        case MessageType.OPEN_SESSION:
+            return OpenSession(f.uint(_U64_MAX), f.tokens(), f.sampling())
+        case MessageType.SESSION_OPENED:
+            return SessionOpened(f.uint(_U64_MAX), f.uint())
+        case MessageType.CLOSE_SESSION:
+            return CloseSession(f.uint(_U64_MAX))
+        case MessageType.VERIFY_BLOCK:
+            return _verify_block(f)
+        case MessageType.VERIFY_BLOCK_FULL:
+            return _verify_block_full(f)
+        case MessageType.VERIFY_RESULT:
+            return _verify_result(f)
+        case MessageType.CORRECTION_REQUEST:
+            return _correction_request(f)
+        case MessageType.CORRECTION_RESPONSE:
+            return CorrectionResponse(f.block(), f.payload())
+        case MessageType.COMMIT:
+            return Commit(f.block(), f.uint())
+        case MessageType.GENERATE_REQUEST:
+            return GenerateRequest(f.uint(_U64_MAX), f.uint(), f.tokens())
+        case MessageType.GENERATE_TOKENS:
+            return GenerateTokens(f.uint(_U64_MAX), f.tokens(), f.boolean())
+        case MessageType.ERROR:
+            code: ErrorCode = _enum(ErrorCode, f.uint(), "ErrorFrame code")
+            return ErrorFrame(code, f.text(), f.opt_uint(_U64_MAX), f.opt_block())
+    raise AssertionError(f"unhandled message type {msg_type!r}")  # pragma: no cover
+
+
+def decode(
+    data: bytes | bytearray | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Message:
+    """Parse one frame. Raises WireError (and nothing else) for any frame it cannot trust."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise _malformed(f"frame must be bytes, got {type(data).__name__}")
+    n_bytes = memoryview(data).nbytes
+    # Checked before unpacking so an oversized frame costs nothing to refuse.
+    if n_bytes > max_frame_bytes:
+        raise WireError(
+            ErrorCode.FRAME_TOO_LARGE, f"frame of {n_bytes} bytes exceeds {max_frame_bytes}"
+        )
+    try:
+        # Every length claim is capped by the frame's own size, so a tiny frame cannot make
+        # msgpack allocate a huge buffer; maps and ext types never occur in this protocol.
+        frame = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            max_bin_len=n_bytes,
+            max_str_len=n_bytes,
+            max_array_len=n_bytes,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "malformed"
+        raise _malformed(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
+    if type(frame) is not list or len(frame) < 2:
+        raise _malformed("frame must be an array [version, type, ...fields]")
+    version = frame[0]
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise WireError(
+            ErrorCode.VERSION_MISMATCH,
+            f"peer speaks protocol version {version!r:.20}, this side speaks {PROTOCOL_VERSION}",
+        )
+    msg_type: MessageType = _enum(MessageType, frame[1], "message type")
+    return _fields_of(msg_type, frame[2:])
+
+
+def websocket_header_bytes(payload_bytes: int, masked: bool) -> int:
+    """RFC 6455 frame header size; client-to-server frames carry a 4-byte mask."""
+    if payload_bytes < 126:
+        length_bytes = 0
+    elif payload_bytes < 2**16:
+        length_bytes = 2
+    else:
+        length_bytes = 8
+    return 2 + length_bytes + (4 if masked else 0)
+
+
+# --- sizes table (`make sizes`) -------------------------------------------------------------
+
+
+def _example_block(session_id: int = 1, seq: int = 1, base_len: int = 512) -> BlockId:
+    sampling = SamplingConfig(temperature=0.7, top_k=50, top_p=0.95, seed=1234)
+    return BlockId(session_id, seq, base_len, config_digest(sampling))
+
+
+def _example_verify_block(gamma: int) -> VerifyBlock:
+    tokens = np.arange(1000, 1000 + gamma, dtype=np.uint32)
+    probs = np.linspace(0.9, 0.3, gamma, dtype=np.float32)
+    return VerifyBlock(_example_block(), tokens, probs, np.zeros(0, dtype=np.uint32))
+
+
+def _size_rows() -> list[tuple[str, str, int, int]]:
+    """(message, direction, frame bytes, frame + WebSocket header bytes)."""
+    block = _example_block()
+    gamma, vocab, k = 4, 49_152, 8
+    topk = TopK(
+        np.arange(8, dtype=np.uint32) + 40_000,
+        np.linspace(0.5, 0.01, k, dtype=np.float32),
+        np.float32(0.12),
+    )
+    full = VerifyBlockFull(
+        block,
+        np.arange(gamma, dtype=np.uint32),
+        np.full((gamma, vocab), 1 / vocab, dtype=np.float16),
+        np.zeros(0, dtype=np.uint32),
+    )
+    cases: list[tuple[str, str, Message]] = [
+        *((f"VerifyBlock γ={g}", "up", _example_verify_block(g)) for g in (1, 4, 8)),
+        ("VerifyResult all accepted (γ=4)", "down", VerifyResult(block, gamma, 40_123, None)),
+        (f"VerifyResult reject + TopK K={k}", "down", VerifyResult(block, 2, None, topk)),
+        (f"VerifyBlockFull γ={gamma} V={vocab:,}", "up", full),
+    ]
+    rows = []
+    for name, direction, msg in cases:
+        n = len(encode(msg))
+        rows.append((name, direction, n, n + websocket_header_bytes(n, masked=direction == "up")))
+    return rows
+
+
+def main() -> None:
+    print(f"asymspec wire protocol v{PROTOCOL_VERSION}: encoded frame sizes (bytes)")
+    print("uplink = client frame (masked); downlink = server frame (unmasked)\n")
+    print(f"{'message':<36} {'dir':<5} {'msgpack':>10} {'+ WebSocket':>12}")
+    for name, direction, frame_bytes, ws_bytes in _size_rows():
+        print(f"{name:<36} {direction:<5} {frame_bytes:>10,} {ws_bytes:>12,}")
+
+
+if __name__ == "__main__":
+    main()
