@@ -33,7 +33,7 @@ from asymspec.sampling import (
     topk_support,
 )
 
-CorrectionKind = Literal["topk", "proposals", "full"]
+CorrectionKindName = Literal["topk", "proposals", "full"]
 Row = npt.NDArray[np.floating] | torch.Tensor
 
 
@@ -41,7 +41,7 @@ Row = npt.NDArray[np.floating] | torch.Tensor
 class Rung:
     """One step of the ladder: what the edge asks the cloud for."""
 
-    kind: CorrectionKind
+    kind: CorrectionKindName
     size: int  # K for topk, N for proposals, 0 for full
 
 
@@ -73,7 +73,7 @@ class Recovered:
     """The recovered token and how it was obtained (for metrics and the budget)."""
 
     token: int
-    kind: CorrectionKind
+    kind: CorrectionKindName
     size: int  # K reached, proposals seen, or 0 for the full row
     eps: float  # budget spent; 0 for exact paths
 

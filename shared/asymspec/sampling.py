@@ -244,3 +244,14 @@ def first_accepted_proposal(
         if accept_proposal(float(p_y), float(q_y), float(u)):
             return int(y)
     return None
+
+
+def draft_rows_from_half(rows_f16: npt.NDArray[np.float16]) -> npt.NDArray[np.float32]:
+    """The canonical q rows of the full-upload modes: float16 as sent, renormalised in float32.
+
+    The edge samples its draft tokens from exactly these rows and the cloud tests acceptance
+    against exactly these rows, so quantising q to float16 for the uplink changes which q
+    is used but never makes the two sides disagree about it.
+    """
+    rows = np.asarray(rows_f16, dtype=np.float16).astype(np.float32)  # [gamma, V]
+    return rows / rows.sum(axis=-1, keepdims=True, dtype=np.float32)

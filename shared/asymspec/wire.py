@@ -19,13 +19,13 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     type  message            fields after [version, type]
     1     Hello              edge_id, auth_token
     2     HelloAck           server_id
-    3     OpenSession        session_id, prompt_tokens, Sampling
+    3     OpenSession        session_id, prompt_tokens, Sampling, [first_kind, first_size]
     4     SessionOpened      session_id, prefix_len
     5     CloseSession       session_id
     6     VerifyBlock        BlockId, draft_tokens, draft_probs, committed_tail
     7     VerifyBlockFull    BlockId, draft_tokens, draft_rows, committed_tail
     8     VerifyResult       BlockId, n_accepted, next_token | nil, payload | nil
-    9     CorrectionRequest  BlockId, kind, size
+    9     CorrectionRequest  BlockId, kind, size, rung
     10    CorrectionResponse BlockId, payload
     11    Commit             BlockId, token
     12    GenerateRequest    session_id, max_tokens, stop_token_ids
@@ -234,15 +234,22 @@ class HelloAck(_Wire):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class OpenSession(_Wire):
+    """Open a request's session; first_kind/first_size = the correction the cloud sends with
+    a rejection (rung 0 of the edge's ladder: a top-K in the progressive mode, proposals in
+    the exact mode)."""
+
     TYPE: ClassVar[MessageType] = MessageType.OPEN_SESSION
     session_id: int
     prompt_tokens: TokenIds  # (prompt_len,)
     sampling: SamplingConfig
+    first_kind: CorrectionKind = CorrectionKind.TOPK
+    first_size: int = 16
 
     def _fields(self) -> list[Any]:
         s = self.sampling
         sampling = [float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed)]
-        return [self.session_id, _u32s(self.prompt_tokens), sampling]
+        first = [int(self.first_kind), self.first_size]
+        return [self.session_id, _u32s(self.prompt_tokens), sampling, first]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -318,15 +325,20 @@ class VerifyResult(_Wire):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CorrectionRequest(_Wire):
-    """Edge escalation after a failed certificate; size = K, N proposals, or 0 for FULL."""
+    """Edge escalation after a failed certificate; size = K, N proposals, or 0 for FULL.
+
+    rung = the ladder step asked for (1, 2, ...; step 0 came with the VerifyResult). It tells
+    a retransmission (same rung: the cloud replays its cached answer, same random draws)
+    from a second round of proposals of the same size (next rung: fresh draws)."""
 
     TYPE: ClassVar[MessageType] = MessageType.CORRECTION_REQUEST
     block: BlockId
     kind: CorrectionKind
     size: int
+    rung: int = 1
 
     def _fields(self) -> list[Any]:
-        return [_block(self.block), int(self.kind), self.size]
+        return [_block(self.block), int(self.kind), self.size, self.rung]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -625,13 +637,25 @@ def _verify_result(f: _Fields) -> VerifyResult:
     return VerifyResult(block, n_accepted, next_token, correction)
 
 
+def _open_session(f: _Fields) -> OpenSession:
+    session_id, prompt, sampling = f.uint(_U64_MAX), f.tokens(), f.sampling()
+    first = f.nested(2, "OpenSession first correction")
+    kind: CorrectionKind = _enum(CorrectionKind, first.uint(), "OpenSession first_kind")
+    size = first.uint()
+    if (kind is CorrectionKind.FULL) != (size == 0):
+        raise _malformed(f"OpenSession first correction {kind.name} with size {size}")
+    return OpenSession(session_id, prompt, sampling, kind, size)
+
+
 def _correction_request(f: _Fields) -> CorrectionRequest:
     block = f.block()
     kind: CorrectionKind = _enum(CorrectionKind, f.uint(), "CorrectionRequest kind")
-    size = f.uint()
+    size, rung = f.uint(), f.uint()
     if (kind is CorrectionKind.FULL) != (size == 0):
         raise _malformed(f"CorrectionRequest {kind.name} with size {size}")
-    return CorrectionRequest(block, kind, size)
+    if rung == 0:
+        raise _malformed("CorrectionRequest rung must be >= 1 (rung 0 is the verify result)")
+    return CorrectionRequest(block, kind, size, rung)
 
 
 def _verify_block(f: _Fields) -> VerifyBlock:
@@ -645,13 +669,13 @@ _FIELD_COUNTS = MappingProxyType(
     {
         MessageType.HELLO: 2,
         MessageType.HELLO_ACK: 1,
-        MessageType.OPEN_SESSION: 3,
+        MessageType.OPEN_SESSION: 4,
         MessageType.SESSION_OPENED: 2,
         MessageType.CLOSE_SESSION: 1,
         MessageType.VERIFY_BLOCK: 4,
         MessageType.VERIFY_BLOCK_FULL: 4,
         MessageType.VERIFY_RESULT: 4,
-        MessageType.CORRECTION_REQUEST: 3,
+        MessageType.CORRECTION_REQUEST: 4,
         MessageType.CORRECTION_RESPONSE: 2,
         MessageType.COMMIT: 2,
         MessageType.GENERATE_REQUEST: 3,
@@ -671,7 +695,7 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
         case MessageType.HELLO_ACK:
             return HelloAck(f.text())
         case MessageType.OPEN_SESSION:
-            return OpenSession(f.uint(_U64_MAX), f.tokens(), f.sampling())
+            return _open_session(f)
         case MessageType.SESSION_OPENED:
             return SessionOpened(f.uint(_U64_MAX), f.uint())
         case MessageType.CLOSE_SESSION:

@@ -1,0 +1,125 @@
+"""The cloud verifier's FastAPI app: target model, per-session KV caches, the batcher, the
+edge channel (WebSocket /v1/channel) and REST for health, models and metrics.
+
+The target loads in the background after start-up, so /health can say 503 with a reason
+until it is ready (as vLLM and TGI do) instead of the port staying closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import load_causal_lm
+from asymspec.backends.target import TargetModel
+from cloud_verifier.batcher import Batcher
+from cloud_verifier.channel import ChannelServer
+from cloud_verifier.metrics import CloudMetrics, render_metrics
+from cloud_verifier.settings import CloudSettings
+
+log = logging.getLogger("asymspec.cloud")
+
+
+@dataclass
+class CloudState:
+    settings: CloudSettings
+    metrics: CloudMetrics
+    registry: CollectorRegistry
+    channel: ChannelServer | None = None
+    batcher: Batcher | None = None
+    error: str | None = None
+    started_s: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self.settings.target_model
+
+
+def load_target(settings: CloudSettings) -> TargetModel:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    model, tokenizer = load_causal_lm(settings.target_model, settings.device or None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TargetModel(CachedLM(model, pad_token_id=int(pad)))
+
+
+async def _load(state: CloudState) -> None:
+    try:
+        target = await asyncio.to_thread(load_target, state.settings)
+    except Exception as exc:
+        log.exception("loading the target failed")
+        state.error = f"{type(exc).__name__}: {exc}"
+        return
+    s = state.settings
+    state.batcher = Batcher(target, s.max_batch_size, s.max_wait_ms / 1000, state.metrics)
+    state.batcher.start()
+    state.channel = ChannelServer(s, state.batcher, state.metrics)
+    channel = state.channel
+    state.metrics.sessions.set_function(lambda: channel.session_count)
+    log.info("target %s ready", s.target_model)
+
+
+def create_app(settings: CloudSettings | None = None) -> FastAPI:
+    settings = settings or CloudSettings()
+    registry = CollectorRegistry()
+    state = CloudState(
+        settings,
+        CloudMetrics.create(
+            registry, model_name=settings.served_model_name or settings.target_model
+        ),
+        registry,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(state))
+        yield
+        loading.cancel()
+        if state.batcher is not None:
+            await state.batcher.stop()
+
+    app = FastAPI(title="asymspec cloud verifier", lifespan=lifespan)
+    app.state.cloud = state
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.error:
+            return JSONResponse({"status": "error", "reason": state.error}, status_code=503)
+        if state.channel is None:
+            return JSONResponse(
+                {"status": "loading", "reason": "target model is loading"}, status_code=503
+            )
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started_s),
+            "owned_by": "asymspec",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return render_metrics(registry)
+
+    @app.websocket("/v1/channel")
+    async def channel(ws: WebSocket) -> None:
+        if state.channel is None:
+            await ws.close(code=1013, reason="target model is not ready")
+            return
+        await state.channel.serve(ws)
+
+    return app

@@ -1,0 +1,231 @@
+"""The cloud end of the edge channel: one WebSocket per edge, many requests multiplexed.
+
+Each frame is one `asymspec.wire` message. The connection starts with Hello/HelloAck (the
+shared secret is checked there). Model work (prefill, verification, decoding, close) goes
+to the batcher; corrections are answered on the event loop from the retained target row,
+since they need no forward. Replies are written by whichever task finished, under one send
+lock, so frames never interleave. When the edge goes away, its sessions are closed and
+their KV caches freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+from fastapi import WebSocket, WebSocketDisconnect
+
+from asymspec.wire import (
+    BlockId,
+    CloseSession,
+    Commit,
+    CorrectionRequest,
+    CorrectionResponse,
+    ErrorCode,
+    ErrorFrame,
+    GenerateRequest,
+    GenerateTokens,
+    Hello,
+    HelloAck,
+    Message,
+    OpenSession,
+    SessionOpened,
+    VerifyBlock,
+    VerifyBlockFull,
+    WireError,
+    decode,
+    encode,
+)
+from cloud_verifier.batcher import Batcher
+from cloud_verifier.metrics import CloudMetrics
+from cloud_verifier.sessions import Session, rung_of
+from cloud_verifier.settings import CloudSettings
+
+log = logging.getLogger("asymspec.cloud")
+_connection_ids = itertools.count(1)
+
+
+class _Connection:
+    """One edge's channel: its sessions, its in-flight tasks and its writer."""
+
+    def __init__(self, ws: WebSocket, server: ChannelServer) -> None:
+        self.ws, self.server = ws, server
+        self.id = next(_connection_ids)
+        self.sessions: dict[int, Session] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, msg: Message) -> None:
+        frame = encode(msg)
+        async with self._send_lock:
+            await self.ws.send_bytes(frame)
+        self.server.metrics.link_bytes.labels(direction="downlink").inc(len(frame))
+        self.server.metrics.link_frames.labels(direction="downlink").inc()
+
+    def spawn(self, work: Any, session_id: int, block: BlockId | None = None) -> None:
+        task = asyncio.create_task(self._reporting(work, session_id, block))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _reporting(self, work: Any, session_id: int, block: BlockId | None) -> None:
+        """Run a handler; a failure becomes a typed error frame naming its session/block."""
+        try:
+            await work
+        except WireError as exc:
+            await self.send_error(exc.code, exc.message, session_id, block)
+        except WebSocketDisconnect:
+            raise
+        except Exception as exc:  # a bug in one request must not take the channel down
+            log.exception("channel handler failed")
+            await self.send_error(
+                ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", session_id, block
+            )
+
+    async def send_error(
+        self, code: ErrorCode, message: str, session_id: int | None, block: BlockId | None
+    ) -> None:
+        with contextlib.suppress(Exception):  # the socket may already be gone
+            await self.send(ErrorFrame(code, message, session_id, block))
+
+
+class ChannelServer:
+    def __init__(self, settings: CloudSettings, batcher: Batcher, metrics: CloudMetrics) -> None:
+        self.settings, self.batcher, self.metrics = settings, batcher, metrics
+        self.server_id = f"cloud-{settings.port}"
+        self.connections: set[_Connection] = set()
+
+    @property
+    def session_count(self) -> int:
+        return sum(len(c.sessions) for c in self.connections)
+
+    async def serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        conn = _Connection(ws, self)
+        try:
+            if not await self._handshake(conn):
+                return
+            self.connections.add(conn)
+            self.metrics.connected_edges.inc()
+            try:
+                while True:
+                    await self._receive(conn, await ws.receive_bytes())
+            finally:
+                self.metrics.connected_edges.dec()
+                self.connections.discard(conn)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await self._release(conn)
+
+    async def _handshake(self, conn: _Connection) -> bool:
+        frame = await conn.ws.receive_bytes()
+        try:
+            hello = decode(frame, self.settings.max_frame_bytes)
+        except WireError as exc:
+            await conn.send(ErrorFrame(exc.code, exc.message, None, None))
+            await conn.ws.close(code=1002)
+            return False
+        secret = self.settings.shared_secret
+        if not isinstance(hello, Hello) or (
+            secret and not hmac.compare_digest(hello.auth_token.encode(), secret.encode())
+        ):
+            self.metrics.channel_auth_failures.inc()
+            await conn.send(ErrorFrame(ErrorCode.UNAUTHORIZED, "bad or missing Hello", None, None))
+            await conn.ws.close(code=1008)
+            return False
+        await conn.send(HelloAck(self.server_id))
+        return True
+
+    async def _receive(self, conn: _Connection, frame: bytes) -> None:
+        self.metrics.link_bytes.labels(direction="uplink").inc(len(frame))
+        self.metrics.link_frames.labels(direction="uplink").inc()
+        try:
+            msg = decode(frame, self.settings.max_frame_bytes)
+        except WireError as exc:
+            await conn.send_error(exc.code, exc.message, None, None)
+            return
+        if isinstance(msg, VerifyBlock | VerifyBlockFull):
+            conn.spawn(self._verify(conn, msg), msg.block.session_id, msg.block)
+        elif isinstance(msg, CorrectionRequest):
+            conn.spawn(self._correct(conn, msg), msg.block.session_id, msg.block)
+        elif isinstance(msg, Commit):
+            conn.spawn(self._commit(conn, msg), msg.block.session_id, msg.block)
+        elif isinstance(msg, OpenSession):
+            conn.spawn(self._open(conn, msg), msg.session_id)
+        elif isinstance(msg, CloseSession):
+            conn.spawn(self._close(conn, msg.session_id), msg.session_id)
+        elif isinstance(msg, GenerateRequest):
+            conn.spawn(self._generate(conn, msg), msg.session_id)
+        else:
+            await conn.send_error(
+                ErrorCode.MALFORMED, f"unexpected {type(msg).__name__}", None, None
+            )
+
+    def _session(self, conn: _Connection, session_id: int) -> Session:
+        try:
+            return conn.sessions[session_id]
+        except KeyError:
+            raise WireError(ErrorCode.UNKNOWN_SESSION, f"unknown session {session_id}") from None
+
+    async def _open(self, conn: _Connection, msg: OpenSession) -> None:
+        if msg.session_id in conn.sessions:
+            raise WireError(ErrorCode.MALFORMED, f"session {msg.session_id} is already open")
+        if len(conn.sessions) >= self.settings.max_sessions_per_edge:
+            raise WireError(ErrorCode.OVERLOADED, "too many open sessions for this edge")
+        if not 0 < len(msg.prompt_tokens) <= self.settings.max_context_tokens:
+            raise WireError(ErrorCode.MALFORMED, "prompt must have 1..max_context_tokens tokens")
+        session = Session(
+            session_id=msg.session_id,
+            owner=conn.id,
+            config=msg.sampling,
+            first_rung=rung_of(msg.first_kind, msg.first_size),
+            confirmed=[int(t) for t in msg.prompt_tokens],
+        )
+        conn.sessions[msg.session_id] = session
+        await self.batcher.prefill(session)
+        await conn.send(SessionOpened(msg.session_id, len(session.confirmed)))
+
+    async def _close(self, conn: _Connection, session_id: int) -> None:
+        session = conn.sessions.pop(session_id, None)
+        if session is not None:
+            await self.batcher.close(session)
+
+    async def _release(self, conn: _Connection) -> None:
+        for task in list(conn.tasks):
+            task.cancel()
+        await asyncio.gather(*conn.tasks, return_exceptions=True)
+        for session_id in list(conn.sessions):
+            await self._close(conn, session_id)
+
+    async def _verify(self, conn: _Connection, msg: VerifyBlock | VerifyBlockFull) -> None:
+        session = self._session(conn, msg.block.session_id)
+        cached = session.admit(msg)
+        result = cached if cached is not None else await self.batcher.verify(session, msg)
+        await conn.send(result)
+
+    async def _correct(self, conn: _Connection, msg: CorrectionRequest) -> None:
+        session = self._session(conn, msg.block.session_id)
+        payload = session.correct(msg.block, rung_of(msg.kind, msg.size), msg.rung)
+        self.metrics.cloud_corrections.labels(kind=msg.kind.name.lower()).inc()
+        await conn.send(CorrectionResponse(msg.block, payload))
+
+    async def _commit(self, conn: _Connection, msg: Commit) -> None:
+        session = self._session(conn, msg.block.session_id)
+        if msg.block == session.last_block and session.awaiting_recovery:
+            session.commit_recovered([msg.token])
+
+    async def _generate(self, conn: _Connection, msg: GenerateRequest) -> None:
+        """Target-only decoding (SPADE's Target baseline), one token per frame."""
+        session = self._session(conn, msg.session_id)
+        stop = {int(t) for t in msg.stop_token_ids}
+        for i in range(msg.max_tokens):
+            token = await self.batcher.decode(session)
+            done = token in stop or i + 1 == msg.max_tokens
+            await conn.send(GenerateTokens(msg.session_id, np.array([token], np.uint32), done))
+            if done:
+                return

@@ -1,0 +1,199 @@
+"""The cloud's per-request sessions: the confirmed prefix, block admission and the verdict.
+
+A session mirrors what the edge has committed for one request. Its KV cache lives in the
+target backend (owned by the batcher); this module owns the protocol state around it:
+
+- the confirmed prefix (prompt + committed tokens) and the block sequence number;
+- admission: a block must extend exactly the confirmed prefix (base_len), carry the next
+  sequence number and the session's sampling digest; a retransmitted block gets the cached
+  verdict, anything stale gets a typed error and never a commit;
+- the verdict: acceptance left to right, the bonus token, or on a rejection the retained
+  target row p of that position and the answers given from it (cached per rung, so a
+  retransmitted correction request replays the same random draws).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import numpy as np
+import torch
+
+from asymspec.correction import (
+    CorrectionKindName,
+    Answer,
+    FullAnswer,
+    ProposalsAnswer,
+    Rung,
+    TopKAnswer,
+    answer,
+)
+from asymspec.sampling import (
+    SamplingParams,
+    accept_block,
+    draft_rows_from_half,
+    residual,
+    sample,
+    transform,
+)
+from asymspec.wire import (
+    BlockId,
+    CorrectionKind,
+    ErrorCode,
+    FullRow,
+    Payload,
+    Proposals,
+    SamplingConfig,
+    TopK,
+    VerifyBlock,
+    VerifyBlockFull,
+    VerifyResult,
+    WireError,
+    config_digest,
+)
+
+_RUNG_KIND: dict[CorrectionKind, CorrectionKindName] = {
+    CorrectionKind.TOPK: "topk",
+    CorrectionKind.PROPOSALS: "proposals",
+    CorrectionKind.FULL: "full",
+}
+
+
+def rung_of(kind: CorrectionKind, size: int) -> Rung:
+    return Rung(_RUNG_KIND[kind], size)
+
+
+def to_payload(reply: Answer) -> Payload:
+    if isinstance(reply, TopKAnswer):
+        return TopK(reply.ids, reply.probs, reply.delta_p)
+    if isinstance(reply, ProposalsAnswer):
+        return Proposals(reply.ids, reply.probs)
+    assert isinstance(reply, FullAnswer)
+    return FullRow(reply.probs)
+
+
+AnyBlock: TypeAlias = VerifyBlock | VerifyBlockFull
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: int
+    owner: int  # the channel connection that opened it
+    config: SamplingConfig
+    first_rung: Rung  # what a rejection's verdict carries (rung 0 of the edge's ladder)
+    confirmed: list[int]  # prompt + committed tokens
+    params: SamplingParams = field(init=False)
+    digest: int = field(init=False)
+    rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
+    generator: torch.Generator = field(init=False)  # target-only sampling
+    last_seq: int = 0
+    last_block: BlockId | None = None
+    last_result: VerifyResult | None = None
+    open_block: bool = False  # a block is being verified (confirmed-prefix invariant)
+    awaiting_recovery: bool = False  # rejected: the edge commits the recovered token
+    retained_row: torch.Tensor | None = None  # [V] p at the rejected position
+    answers: dict[int, Payload] = field(default_factory=dict)  # rung index -> answer
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.params = SamplingParams(c.temperature, c.top_k, c.top_p)
+        self.digest = config_digest(c)
+        self.rng = np.random.default_rng([c.seed, 1])
+        self.generator = torch.Generator().manual_seed(c.seed % 2**63)
+
+    @property
+    def key(self) -> str:
+        """The session's id in the target backend."""
+        return str(self.session_id)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, msg: AnyBlock) -> VerifyResult | None:
+        """Check a block against the confirmed prefix; None = verify it, else a cached verdict.
+
+        Raises WireError(STALE_BLOCK | DUPLICATE) for a block that must not be verified.
+        """
+        block = msg.block
+        if block == self.last_block and self.last_result is not None:
+            return self.last_result  # a retransmission: same verdict, same random outcomes
+        if block == self.last_block or self.open_block:
+            raise WireError(ErrorCode.DUPLICATE, f"block {block.seq} is already being verified")
+        if block.config_digest != self.digest:
+            raise WireError(ErrorCode.STALE_BLOCK, "block sampling config differs from session")
+        if block.seq != self.last_seq + 1:
+            raise WireError(
+                ErrorCode.STALE_BLOCK, f"block seq {block.seq}, expected {self.last_seq + 1}"
+            )
+        tail = [int(t) for t in msg.committed_tail]
+        if len(tail) != int(self.awaiting_recovery):
+            raise WireError(
+                ErrorCode.STALE_BLOCK,
+                f"committed tail of {len(tail)} tokens; expected {int(self.awaiting_recovery)}",
+            )
+        if block.base_len != len(self.confirmed) + len(tail):
+            raise WireError(
+                ErrorCode.STALE_BLOCK,
+                f"block extends a prefix of {block.base_len} tokens; confirmed is "
+                f"{len(self.confirmed) + len(tail)}",
+            )
+        self.commit_recovered(tail)
+        self.open_block = True
+        return None
+
+    def commit_recovered(self, tail: list[int]) -> None:
+        """The edge's recovered token (from a block's tail or a Commit) joins the prefix."""
+        self.confirmed.extend(tail)
+        if tail:
+            self.awaiting_recovery = False
+            self.retained_row = None
+            self.answers.clear()
+
+    def pending_tokens(self, cached_len: int) -> list[int]:
+        """Confirmed tokens the target's cache has not seen (>= 1 by the cache convention)."""
+        return self.confirmed[cached_len:]
+
+    # ------------------------------------------------------------------ verdict
+
+    def decide(self, msg: AnyBlock, logits: torch.Tensor) -> tuple[VerifyResult, int]:
+        """The verdict for a scored block, and how many drafted positions to keep cached.
+
+        logits [γ+1, V] are the target's rows p_1 .. p_{γ+1} before the sampling transform.
+        """
+        p_rows = transform(logits, self.params)  # [γ+1, V] float32
+        tokens = msg.draft_tokens
+        gamma = len(tokens)
+        if isinstance(msg, VerifyBlockFull):
+            q_rows = draft_rows_from_half(msg.draft_rows)  # [γ, V] as the edge sampled them
+            q_of_x = q_rows[np.arange(gamma), tokens.astype(np.int64)]
+        else:
+            q_rows, q_of_x = None, msg.draft_probs
+        outcome = accept_block(tokens, q_of_x, p_rows, self.rng.random(gamma + 1))
+        n = outcome.n_accepted
+        self.confirmed.extend(int(t) for t in tokens[:n])
+        if outcome.bonus_token is not None:
+            self.confirmed.append(outcome.bonus_token)
+            result = VerifyResult(msg.block, n, outcome.bonus_token, None)
+        elif q_rows is not None:
+            # Full-upload modes: the cloud holds q, so it samples the exact residual itself.
+            token = sample(residual(p_rows[n], q_rows[n]), float(self.rng.random()))
+            self.confirmed.append(token)
+            result = VerifyResult(msg.block, n, token, None)
+        else:
+            self.retained_row = p_rows[n].clone()
+            self.awaiting_recovery = True
+            first = to_payload(answer(self.first_rung, self.retained_row, self.rng.random))
+            self.answers[0] = first
+            result = VerifyResult(msg.block, n, None, first)
+        self.last_seq, self.last_block, self.last_result = msg.block.seq, msg.block, result
+        self.open_block = False
+        return result, n
+
+    def correct(self, block: BlockId, rung: Rung, rung_index: int) -> Payload:
+        """Answer an escalation from the retained row; replays the cached answer if repeated."""
+        if block != self.last_block or not self.awaiting_recovery or self.retained_row is None:
+            raise WireError(ErrorCode.STALE_BLOCK, f"no correction pending for block {block.seq}")
+        if rung_index not in self.answers:
+            self.answers[rung_index] = to_payload(answer(rung, self.retained_row, self.rng.random))
+        return self.answers[rung_index]

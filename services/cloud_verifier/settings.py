@@ -1,0 +1,31 @@
+"""Typed settings of the cloud verifier, read from the environment (prefix ASYMSPEC_CLOUD_)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from asymspec.backends.embedded import EMBEDDED_TARGET
+
+
+class CloudSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ASYMSPEC_CLOUD_", extra="ignore")
+
+    target_model: str = Field(
+        EMBEDDED_TARGET, description="Target model: an embedded name, a local path or a hub id."
+    )
+    served_model_name: str = Field("", description="Name in /v1/models; default: target_model.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8001, description="HTTP and WebSocket port.")
+    device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
+    torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default.")
+    max_batch_size: int = Field(32, ge=1, description="Most blocks verified in one forward.")
+    max_wait_ms: float = Field(
+        1.0, ge=0, description="How long the batcher waits for more blocks after the first one."
+    )
+    shared_secret: str = Field(
+        "", description="Edge<->cloud secret checked on the channel handshake; empty = open."
+    )
+    max_sessions_per_edge: int = Field(1024, ge=1, description="Open sessions one edge may hold.")
+    max_frame_bytes: int = Field(8 * 1024 * 1024, description="Largest accepted channel frame.")
+    max_context_tokens: int = Field(8192, ge=16, description="Longest prompt + generation.")

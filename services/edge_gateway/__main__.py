@@ -1,0 +1,20 @@
+"""`python -m edge_gateway`: serve the edge gateway with uvicorn (one worker)."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from edge_gateway.app import create_app
+from edge_gateway.settings import EdgeSettings
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = EdgeSettings()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1)
+
+
+if __name__ == "__main__":
+    main()

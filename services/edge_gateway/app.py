@@ -1,0 +1,116 @@
+"""The edge gateway's FastAPI app: the OpenAI-compatible API in front of the decoding engine.
+
+The lifespan loads the draft model (and the tokenizer) in the background, starts the
+scheduler and the cloud channel; /health answers 503 with a reason until the draft is loaded
+and, in the modes that need it, the cloud is connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+
+from asymspec.backends.draft import DraftModel
+from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import load_causal_lm
+from edge_gateway.channel import CloudChannel
+from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
+from edge_gateway.engine_api import Engine
+from edge_gateway.metrics import EdgeMetrics, render_metrics
+from edge_gateway.scheduler import DraftScheduler
+from edge_gateway.settings import EdgeSettings
+
+log = logging.getLogger("asymspec.edge")
+
+
+@dataclass
+class EdgeState:
+    settings: EdgeSettings
+    metrics: EdgeMetrics
+    engine: Engine | None = None
+    tokenizer: Any = None
+    channel: CloudChannel | None = None
+    scheduler: DraftScheduler | None = None
+    error: str | None = None
+
+    def not_ready_reason(self) -> str | None:
+        if self.error:
+            return self.error
+        if self.engine is None:
+            return "draft model is loading"
+        if self.channel is not None and not self.channel.connected:
+            return f"not connected to the cloud verifier at {self.settings.cloud_url}"
+        return None
+
+
+def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    model, tokenizer = load_causal_lm(settings.draft_model, settings.device or None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return DraftModel(CachedLM(model, pad_token_id=int(pad))), tokenizer
+
+
+async def _start(state: EdgeState) -> None:
+    s, mode = state.settings, state.settings.operating_mode
+    if mode.scheduling != "draft":
+        state.channel = CloudChannel(s.cloud_url, s.shared_secret, state.metrics)
+        state.channel.start()
+    try:
+        draft, state.tokenizer = await asyncio.to_thread(load_draft, s)
+    except Exception as exc:
+        log.exception("loading the draft failed")
+        state.error = f"{type(exc).__name__}: {exc}"
+        return
+    if mode.scheduling == "target":
+        assert state.channel is not None
+        state.engine = TargetOnlyEngine(state.channel, s.cloud_deadline_s)
+        return
+    state.scheduler = DraftScheduler(draft, mode.scheduling, s.max_draft_batch, state.metrics)
+    state.scheduler.start()
+    if mode.scheduling == "draft":
+        state.engine = DraftOnlyEngine(state.scheduler)
+    else:
+        assert state.channel is not None
+        state.engine = SpeculativeEngine(s, mode, state.scheduler, state.channel, state.metrics)
+    log.info("edge ready: mode %s, draft %s", mode.name, s.draft_model)
+
+
+def create_app(settings: EdgeSettings | None = None) -> FastAPI:
+    settings = settings or EdgeSettings()
+    registry = CollectorRegistry()
+    state = EdgeState(settings, EdgeMetrics.create(registry, model_name=settings.served_model_name))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(_start(state))
+        yield
+        starting.cancel()
+        for part in (state.scheduler, state.channel):
+            if part is not None:
+                await part.stop()
+
+    app = FastAPI(title="asymspec edge gateway", lifespan=lifespan)
+    app.state.edge = state
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        reason = state.not_ready_reason()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "mode": settings.mode})
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return render_metrics(registry)
+
+    return app

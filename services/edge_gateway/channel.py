@@ -1,0 +1,232 @@
+"""The edge end of the cloud channel: one persistent WebSocket, many requests multiplexed.
+
+Callers send a message and await the reply that matches it: SessionOpened by session id,
+VerifyResult and CorrectionResponse by block id, GenerateTokens into a per-session queue.
+A typed ErrorFrame fails the waiter it names. The channel reconnects with exponential
+backoff; while it is down, waiters fail with `ChannelDown`, and new calls wait for the
+connection up to the configured deadline (the request layer decides what to re-open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Hashable
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from asymspec.wire import (
+    CorrectionRequest,
+    CorrectionResponse,
+    ErrorCode,
+    ErrorFrame,
+    GenerateTokens,
+    Hello,
+    HelloAck,
+    Message,
+    OpenSession,
+    SessionOpened,
+    VerifyBlock,
+    VerifyBlockFull,
+    VerifyResult,
+    WireError,
+    decode,
+    encode,
+)
+from edge_gateway.metrics import EdgeMetrics
+
+log = logging.getLogger("asymspec.edge.channel")
+
+
+class ChannelDown(ConnectionError):
+    """The cloud is unreachable (or the connection dropped while a reply was awaited)."""
+
+
+class CloudError(RuntimeError):
+    """The cloud answered a request with a typed error frame."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class CloudChannel:
+    def __init__(
+        self,
+        url: str,
+        secret: str,
+        metrics: EdgeMetrics,
+        edge_id: str = "edge",
+        max_frame_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.url, self.secret, self.metrics, self.edge_id = url, secret, metrics, edge_id
+        self.max_frame_bytes = max_frame_bytes
+        self._ws: ClientConnection | None = None
+        self._connected = asyncio.Event()
+        self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[GenerateTokens | Exception]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.generation = 0  # bumps on every (re)connect: sessions from before are gone
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="cloud-channel")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._ws is not None:
+            await self._ws.close()
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        except TimeoutError:
+            raise ChannelDown(f"the cloud at {self.url} is unreachable") from None
+
+    # ------------------------------------------------------------------ requests
+
+    async def open_session(self, msg: OpenSession) -> SessionOpened:
+        reply: SessionOpened = await self._request(("open", msg.session_id), msg)
+        return reply
+
+    async def verify(self, msg: VerifyBlock | VerifyBlockFull) -> VerifyResult:
+        reply: VerifyResult = await self._request(("verify", msg.block), msg)
+        return reply
+
+    async def correct(self, msg: CorrectionRequest) -> CorrectionResponse:
+        reply: CorrectionResponse = await self._request(("correct", msg.block), msg)
+        return reply
+
+    def stream(self, session_id: int) -> asyncio.Queue[GenerateTokens | Exception]:
+        """The queue GenerateTokens frames of a session land in (target-only mode)."""
+        return self._streams.setdefault(session_id, asyncio.Queue())
+
+    def end_stream(self, session_id: int) -> None:
+        self._streams.pop(session_id, None)
+
+    async def send(self, msg: Message) -> None:
+        ws = self._ws
+        if ws is None or not self.connected:
+            raise ChannelDown("not connected to the cloud")
+        frame = encode(msg)
+        try:
+            await ws.send(frame)
+        except websockets.ConnectionClosed as exc:
+            raise ChannelDown("the cloud connection closed") from exc
+        self.metrics.link_bytes.labels(direction="uplink").inc(len(frame))
+        self.metrics.link_frames.labels(direction="uplink").inc()
+
+    async def _request(self, key: Hashable, msg: Message) -> Any:
+        if key in self._waiters:
+            raise RuntimeError(f"a request for {key} is already in flight")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = future
+        try:
+            await self.send(msg)
+            return await future
+        finally:
+            self._waiters.pop(key, None)
+
+    # ------------------------------------------------------------------ connection
+
+    async def _run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                async with websockets.connect(
+                    self.url, max_size=self.max_frame_bytes, compression=None, ping_interval=20
+                ) as ws:
+                    await self._handshake(ws)
+                    backoff_s = 0.1
+                    self._ws, self.generation = ws, self.generation + 1
+                    self._connected.set()
+                    self.metrics.cloud_connected.set(1)
+                    log.info("connected to the cloud at %s", self.url)
+                    await self._read(ws)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
+            finally:
+                self._connected.clear()
+                self.metrics.cloud_connected.set(0)
+                self._ws = None
+                self._fail_all(ChannelDown("the cloud connection was lost"))
+            await asyncio.sleep(backoff_s * (0.5 + random.random()))
+            backoff_s = min(backoff_s * 2, 5.0)
+
+    async def _handshake(self, ws: ClientConnection) -> None:
+        await ws.send(encode(Hello(self.edge_id, self.secret)))
+        reply = decode(await ws.recv(decode=False), self.max_frame_bytes)
+        if isinstance(reply, ErrorFrame):
+            raise CloudError(reply.code, reply.message)
+        if not isinstance(reply, HelloAck):
+            raise CloudError(ErrorCode.MALFORMED, f"expected HelloAck, got {type(reply).__name__}")
+
+    async def _read(self, ws: ClientConnection) -> None:
+        async for frame in ws:
+            data = frame if isinstance(frame, bytes) else frame.encode()
+            self.metrics.link_bytes.labels(direction="downlink").inc(len(data))
+            self.metrics.link_frames.labels(direction="downlink").inc()
+            try:
+                self._route(decode(data, self.max_frame_bytes))
+            except WireError as exc:
+                log.error("undecodable frame from the cloud: %s", exc)
+
+    def _route(self, msg: Message) -> None:
+        if isinstance(msg, SessionOpened):
+            self._resolve(("open", msg.session_id), msg)
+        elif isinstance(msg, VerifyResult):
+            self._resolve(("verify", msg.block), msg)
+        elif isinstance(msg, CorrectionResponse):
+            self._resolve(("correct", msg.block), msg)
+        elif isinstance(msg, GenerateTokens):
+            self.stream(msg.session_id).put_nowait(msg)
+        elif isinstance(msg, ErrorFrame):
+            self._route_error(msg)
+
+    def _resolve(self, key: Hashable, value: Any) -> None:
+        future = self._waiters.get(key)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    def _route_error(self, msg: ErrorFrame) -> None:
+        error = CloudError(msg.code, msg.message)
+        keys: list[Hashable] = []
+        if msg.block is not None:
+            keys = [("verify", msg.block), ("correct", msg.block)]
+        elif msg.session_id is not None:
+            keys = [("open", msg.session_id)]
+            keys += [k for k in self._waiters if _session_of(k) == msg.session_id]
+            if msg.session_id in self._streams:
+                self._streams[msg.session_id].put_nowait(error)
+        else:
+            log.error("cloud error without a session: %s", error)
+        for key in keys:
+            future = self._waiters.get(key)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        for queue in self._streams.values():
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(error)
+
+
+def _session_of(key: Hashable) -> int | None:
+    if isinstance(key, tuple) and len(key) == 2:
+        target = key[1]
+        return int(target.session_id) if hasattr(target, "session_id") else int(target)
+    return None

@@ -1,0 +1,348 @@
+"""The edge's decoding engines: speculative (every speculative mode), draft-only, target-only.
+
+A speculative request runs one loop: ask the scheduler for a block (only once the prefix is
+confirmed), upload it, await the verdict, resolve a rejection through the correction ladder
+(asking the cloud for more only when the certificate does not fit the request's budget),
+commit, stream the new tokens, repeat. Glossary as vLLM's: per block the output is the
+accepted draft tokens plus one recovered (after a rejection) or bonus (all accepted) token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asymspec.backends.draft import Draft, DraftRequest
+from asymspec.backends.engine import draw_uniform
+from asymspec.correction import Correction, Ladder, Recovered, Rung
+from asymspec.fidelity import FidelityBudget
+from asymspec.modes import Mode
+from asymspec.wire import (
+    BlockId,
+    CloseSession,
+    CorrectionKind,
+    CorrectionRequest,
+    FullRow,
+    GenerateRequest,
+    OpenSession,
+    Payload,
+    Proposals,
+    SamplingConfig,
+    TopK,
+    VerifyBlock,
+    VerifyBlockFull,
+    VerifyResult,
+    config_digest,
+)
+from edge_gateway.channel import ChannelDown, CloudChannel, CloudError
+from edge_gateway.engine_api import GenerationError, GenerationRequest
+from edge_gateway.metrics import EdgeMetrics
+from edge_gateway.scheduler import DraftScheduler
+from edge_gateway.settings import EdgeSettings
+
+_WIRE_KIND = {
+    "topk": CorrectionKind.TOPK,
+    "proposals": CorrectionKind.PROPOSALS,
+    "full": CorrectionKind.FULL,
+}
+_NO_TAIL = np.zeros(0, dtype=np.uint32)
+
+
+def _seed(request: GenerationRequest) -> int:
+    return request.seed if request.seed is not None else random.getrandbits(63)
+
+
+def _new_session_id() -> int:
+    return random.getrandbits(63)
+
+
+def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
+    p = request.params
+    return SamplingConfig(p.temperature, p.top_k, p.top_p, seed)
+
+
+def _cloud_failure(exc: Exception) -> GenerationError:
+    if isinstance(exc, ChannelDown):
+        return GenerationError(f"cloud verifier unavailable: {exc}", 503, "service_unavailable")
+    return GenerationError(f"cloud verifier error: {exc}", 502, "server_error")
+
+
+@dataclass(slots=True)
+class _Block:
+    """The one open block of a request (the confirmed-prefix invariant)."""
+
+    id: BlockId
+    draft: Draft
+
+
+class SpeculativeEngine:
+    """Cloud-edge speculative decoding; the mode picks uplink, correction and scheduling."""
+
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        mode: Mode,
+        scheduler: DraftScheduler,
+        channel: CloudChannel,
+        metrics: EdgeMetrics,
+    ) -> None:
+        self.settings, self.mode, self.scheduler = settings, mode, scheduler
+        self.channel, self.metrics = channel, metrics
+        self.ladder: Ladder = settings.ladder()
+
+    @property
+    def ready(self) -> bool:
+        return self.channel.connected
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        seed = _seed(request)
+        config = _config(request, seed)
+        session_id = _new_session_id()
+        key = str(session_id)
+        first = self.ladder.rungs()[0]
+        try:
+            await self.channel.wait_connected(self.settings.cloud_deadline_s)
+            await asyncio.gather(
+                self.channel.open_session(
+                    OpenSession(
+                        session_id,
+                        np.asarray(request.prompt_ids, dtype=np.uint32),
+                        config,
+                        _WIRE_KIND[first.kind],
+                        first.size,
+                    )
+                ),
+                self.scheduler.open(key, request.prompt_ids),
+            )
+        except (ChannelDown, CloudError) as exc:
+            await self._close(session_id, opened_draft=key)
+            raise _cloud_failure(exc) from exc
+        state = _RequestState(self, request, session_id, seed, config_digest(config))
+        try:
+            async for tokens in state.run():
+                yield tokens
+        except (ChannelDown, CloudError) as exc:
+            raise _cloud_failure(exc) from exc
+        finally:
+            await self._close(session_id, opened_draft=key)
+
+    async def _close(self, session_id: int, opened_draft: str) -> None:
+        with contextlib.suppress(ChannelDown):
+            await self.channel.send(CloseSession(session_id))
+        with contextlib.suppress(KeyError):
+            await self.scheduler.close(opened_draft)
+
+
+class _RequestState:
+    """One request's decoding loop and its state: confirmed prefix, budget, block sequence."""
+
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        request: GenerationRequest,
+        session_id: int,
+        seed: int,
+        digest: int,
+    ) -> None:
+        self.engine, self.request = engine, request
+        self.session_id, self.key, self.digest = session_id, str(session_id), digest
+        self.confirmed: list[int] = list(request.prompt_ids)
+        self.tail: list[int] = []  # a recovered token the cloud does not know yet
+        self.seq = 0
+        self.budget = FidelityBudget(
+            request.fidelity_budget
+            if request.fidelity_budget is not None
+            else engine.settings.fidelity_budget
+        )
+        self.gamma = request.num_draft_tokens or engine.settings.num_draft_tokens
+        self.generator = torch.Generator().manual_seed(seed % 2**63)
+        self.produced = 0
+        self.cached = len(request.prompt_ids) - 1  # tokens in the draft's cache
+
+    def uniform(self) -> float:
+        return draw_uniform(self.generator)
+
+    async def run(self) -> AsyncIterator[list[int]]:
+        try:
+            async for tokens in self._blocks():
+                yield tokens
+        finally:
+            self.engine.metrics.fidelity_spent_per_request.observe(self.budget.spent)
+
+    async def _blocks(self) -> AsyncIterator[list[int]]:
+        limit = self.request.max_new_tokens
+        while self.produced < limit:
+            new_tokens = await self._one_block(max(1, min(self.gamma, limit - self.produced - 1)))
+            out = new_tokens[: limit - self.produced]
+            stop_at = next((i for i, t in enumerate(out) if t in self.request.stop_token_ids), None)
+            if stop_at is not None:
+                out = out[: stop_at + 1]
+            self.produced += len(out)
+            yield out
+            if stop_at is not None:
+                return
+
+    async def _one_block(self, gamma: int) -> list[int]:
+        if self.engine.mode.scheduling == "stop-and-wait":
+            async with self.engine.scheduler.exclusive:
+                return await self._block(gamma)
+        return await self._block(gamma)
+
+    async def _block(self, gamma: int) -> list[int]:
+        engine, metrics = self.engine, self.engine.metrics
+        full_upload = engine.mode.uplink == "full"
+        draft = await engine.scheduler.propose(
+            DraftRequest(
+                session_id=self.key,
+                pending_tokens=self.confirmed[self.cached :],
+                num_draft_tokens=gamma,
+                params=self.request.params,
+                generator=self.generator,
+                quantize_half=full_upload,
+            )
+        )
+        self.cached = len(self.confirmed) + gamma - 1  # pending + x_1 .. x_{γ-1} were fed
+        self.seq += 1
+        block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
+        tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
+        msg: VerifyBlock | VerifyBlockFull
+        if full_upload:
+            assert draft.half_rows is not None
+            msg = VerifyBlockFull(block.id, draft.tokens, draft.half_rows, tail)
+        else:
+            msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
+        sent_s = time.perf_counter()
+        result = await engine.channel.verify(msg)
+        metrics.verify_round_trip.observe(time.perf_counter() - sent_s)
+        new_token = await self._resolve(block, result)
+        n = result.n_accepted
+        accepted = [int(t) for t in draft.tokens[:n]]
+        base_len = len(self.confirmed)
+        self.confirmed += [*accepted, new_token]
+        self.cached = min(self.cached, base_len + n)
+        await engine.scheduler.rollback(self.key, self.cached)
+        self._count(gamma, n, bonus=n == gamma)
+        return [*accepted, new_token]
+
+    async def _resolve(self, block: _Block, result: VerifyResult) -> int:
+        """The token after the accepted prefix: bonus, cloud-recovered or recovered here."""
+        if result.next_token is not None:
+            self.tail = []  # the cloud sampled it, so it already has it
+            if result.n_accepted < len(block.draft.tokens):
+                self.engine.metrics.corrections.labels(kind="cloud").inc()
+            return result.next_token
+        assert result.correction is not None
+        correction = Correction(
+            self.engine.ladder, block.draft.rows[result.n_accepted], self.budget, self.uniform
+        )
+        payload: Payload = result.correction
+        while True:
+            outcome = _apply(correction, payload)
+            if isinstance(outcome, Recovered):
+                self._count_correction(outcome)
+                self.tail = [outcome.token]
+                return outcome.token
+            self.engine.metrics.correction_rounds.inc()
+            reply = await self.engine.channel.correct(
+                CorrectionRequest(
+                    block.id, _WIRE_KIND[outcome.kind], outcome.size, correction.rung_index
+                )
+            )
+            payload = reply.payload
+
+    def _count(self, gamma: int, n_accepted: int, bonus: bool) -> None:
+        m = self.engine.metrics
+        m.spec_drafts.inc()
+        m.spec_draft_tokens.inc(gamma)
+        m.spec_accepted.inc(n_accepted)
+        for position in range(n_accepted):
+            m.spec_accepted_per_pos.labels(position=str(position)).inc()
+        (m.spec_bonus if bonus else m.spec_recovered).inc()
+
+    def _count_correction(self, outcome: Recovered) -> None:
+        m = self.engine.metrics
+        m.corrections.labels(kind=outcome.kind).inc()
+        if outcome.kind == "topk":
+            m.correction_topk_k.observe(outcome.size)
+        if outcome.eps:
+            m.fidelity_spent.inc(outcome.eps)
+
+
+def _apply(correction: Correction, payload: Payload) -> Recovered | Rung:
+    if isinstance(payload, TopK):
+        return correction.on_topk(payload.token_ids, payload.probs, float(payload.delta_p))
+    if isinstance(payload, Proposals):
+        return correction.on_proposals(payload.token_ids, payload.probs)
+    assert isinstance(payload, FullRow)
+    return correction.on_full(payload.probs)
+
+
+class DraftOnlyEngine:
+    """SPADE's Draft baseline: the edge decodes alone with the draft model (no cloud)."""
+
+    def __init__(self, scheduler: DraftScheduler) -> None:
+        self.scheduler = scheduler
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        key = str(_new_session_id())
+        generator = torch.Generator().manual_seed(_seed(request) % 2**63)
+        await self.scheduler.open(key, request.prompt_ids)
+        try:
+            pending = [request.prompt_ids[-1]]
+            for _ in range(request.max_new_tokens):
+                draft = await self.scheduler.propose(
+                    DraftRequest(key, pending, 1, request.params, generator)
+                )
+                token = int(draft.tokens[0])
+                yield [token]
+                if token in request.stop_token_ids:
+                    return
+                pending = [token]
+        finally:
+            await self.scheduler.close(key)
+
+
+class TargetOnlyEngine:
+    """SPADE's Target baseline: the cloud decodes alone and streams tokens back."""
+
+    def __init__(self, channel: CloudChannel, deadline_s: float) -> None:
+        self.channel, self.deadline_s = channel, deadline_s
+
+    @property
+    def ready(self) -> bool:
+        return self.channel.connected
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        session_id = _new_session_id()
+        queue = self.channel.stream(session_id)
+        try:
+            await self.channel.wait_connected(self.deadline_s)
+            config = _config(request, _seed(request))
+            prompt = np.asarray(request.prompt_ids, dtype=np.uint32)
+            await self.channel.open_session(OpenSession(session_id, prompt, config))
+            stop = np.asarray(sorted(request.stop_token_ids), dtype=np.uint32)
+            await self.channel.send(GenerateRequest(session_id, request.max_new_tokens, stop))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield [int(t) for t in item.tokens]
+                if item.done:
+                    return
+        except (ChannelDown, CloudError) as exc:
+            raise _cloud_failure(exc) from exc
+        finally:
+            self.channel.end_stream(session_id)
+            with contextlib.suppress(ChannelDown):
+                await self.channel.send(CloseSession(session_id))

@@ -1,0 +1,124 @@
+"""The edge scheduler: one actor owns the draft model and batches drafting across requests.
+
+Each request's decoding loop asks for a block only when its prefix is confirmed (it has no
+open block), so whatever sits in the queue is a ready, confirmed-prefix request; the actor
+drafts all of them (up to max_batch) in one batched forward per draft step. While one
+request's block is out for verification the actor keeps drafting the others — never a
+descendant of an unresolved block (AsymSpec §IV-C1).
+
+Scheduling policies (DESIGN.md §4):
+- pipeline: draft whatever is ready, as soon as it is ready;
+- sync: synchronous rounds, drafting only once every active request has asked, so no
+  request starts block k+1 before all finished block k;
+- stop-and-wait: one request at a time, one block at a time (the caller holds `exclusive`).
+
+Every draft-model call (open, propose, rollback, close) runs on the actor's one worker
+thread, so the model and its caches have exactly one owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from asymspec.backends.draft import Draft, DraftModel, DraftRequest
+from asymspec.modes import Scheduling
+from edge_gateway.metrics import EdgeMetrics
+
+
+class DraftScheduler:
+    def __init__(
+        self, draft: DraftModel, scheduling: Scheduling, max_batch: int, metrics: EdgeMetrics
+    ) -> None:
+        self.draft, self.scheduling, self.max_batch = draft, scheduling, max_batch
+        self.metrics = metrics
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self._ready: list[tuple[DraftRequest, asyncio.Future[Draft]]] = []
+        self._wakeup = asyncio.Event()
+        self._active = 0  # requests between open() and close(): the sync barrier's size
+        self._task: asyncio.Task[None] | None = None
+        self._idle_since_s = time.perf_counter()
+        self.exclusive = asyncio.Lock()  # stop-and-wait: one block in flight at a time
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="draft-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._ready)
+
+    # ------------------------------------------------------------------ request API
+
+    async def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
+        await self._call(self.draft.open, session_id, prompt_ids)
+        self._active += 1
+
+    async def close(self, session_id: str) -> None:
+        self._active -= 1
+        self._wakeup.set()  # the sync barrier may now be complete
+        await self._call(self.draft.close, session_id)
+
+    async def rollback(self, session_id: str, confirmed_len: int) -> None:
+        await self._call(self.draft.rollback, session_id, confirmed_len)
+
+    async def propose(self, request: DraftRequest) -> Draft:
+        """Queue a ready request; resolves with its block once the actor drafted it."""
+        future: asyncio.Future[Draft] = asyncio.get_running_loop().create_future()
+        self._ready.append((request, future))
+        self.metrics.requests_waiting.set(len(self._ready))
+        self._wakeup.set()
+        return await future
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    # ------------------------------------------------------------------ the actor
+
+    def _batch_ready(self) -> bool:
+        if not self._ready:
+            return False
+        if self.scheduling == "sync":
+            return len(self._ready) >= min(self._active, self.max_batch)
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            while not self._batch_ready():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch, self._ready = self._ready[: self.max_batch], self._ready[self.max_batch :]
+            self.metrics.requests_waiting.set(len(self._ready))
+            live = [(r, f) for r, f in batch if not f.done()]  # skip cancelled requests
+            if not live:
+                continue
+            started = time.perf_counter()
+            self.metrics.edge_idle.inc(started - self._idle_since_s)
+            try:
+                drafts = await self._call(self._propose, [r for r, _ in live])
+            except Exception as exc:
+                for _, future in live:
+                    if not future.done():
+                        future.set_exception(exc)
+            else:
+                for (_, future), draft in zip(live, drafts, strict=True):
+                    if not future.done():
+                        future.set_result(draft)
+            self._idle_since_s = time.perf_counter()
+            self.metrics.edge_busy.inc(self._idle_since_s - started)
+            self.metrics.draft_forward.observe(self._idle_since_s - started)
+            self.metrics.draft_batch_size.observe(len(live))
+
+    def _propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        with torch.inference_mode():
+            return self.draft.propose(requests)

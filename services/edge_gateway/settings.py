@@ -1,0 +1,79 @@
+"""Typed settings of the edge gateway, read from the environment (prefix ASYMSPEC_EDGE_;
+the mode is the shared ASYMSPEC_MODE)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from asymspec.backends.embedded import EMBEDDED_DRAFT
+from asymspec.correction import Ladder
+from asymspec.modes import MODES, Mode, get_mode
+
+
+class EdgeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ASYMSPEC_EDGE_", extra="ignore")
+
+    mode: str = Field(
+        "asymspec",
+        validation_alias=AliasChoices("ASYMSPEC_MODE", "ASYMSPEC_EDGE_MODE", "mode"),
+        description=f"Operating mode: {', '.join(MODES)}.",
+    )
+    draft_model: str = Field(
+        EMBEDDED_DRAFT, description="Draft model: an embedded name, a local path or a hub id."
+    )
+    served_model_name: str = Field(
+        "asymspec", description="The model id clients use in /v1/models and requests."
+    )
+    cloud_url: str = Field(
+        "ws://127.0.0.1:8001/v1/channel", description="The cloud verifier's channel URL."
+    )
+    shared_secret: str = Field("", description="Edge<->cloud secret sent in the handshake.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
+    device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
+    torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default.")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="Default γ per block.")
+    fidelity_budget: float = Field(
+        0.0, ge=0.0, le=1.0, description="Default ε_req per request; 0 = every correction exact."
+    )
+    topk_steps: Annotated[tuple[int, ...], NoDecode] = Field(
+        (16, 256, 4096), description="Top-K ladder (comma-separated in the environment)."
+    )
+    num_proposals: int = Field(8, ge=1, description="Exact proposals per round.")
+    proposal_rounds: int = Field(2, ge=0, description="Proposal rounds before the full row.")
+    max_draft_batch: int = Field(32, ge=1, description="Most requests in one draft forward.")
+    max_concurrent_requests: int = Field(256, ge=1, description="Requests served at once.")
+    max_model_len: int = Field(2048, ge=16, description="Prompt + completion token limit.")
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens accepted.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request has none.")
+    cloud_deadline_s: float = Field(
+        30.0, gt=0, description="How long a request waits for an absent cloud before failing."
+    )
+
+    @field_validator("topk_steps", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(int(v) for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        get_mode(value)
+        return value
+
+    @property
+    def operating_mode(self) -> Mode:
+        return get_mode(self.mode)
+
+    def ladder(self) -> Ladder:
+        return Ladder(
+            topk_steps=self.topk_steps,
+            num_proposals=self.num_proposals,
+            proposal_rounds=self.proposal_rounds,
+            use_topk=self.operating_mode.correction == "progressive",
+        )

@@ -1,0 +1,98 @@
+"""Real service processes for end-to-end tests: `python -m cloud_verifier` / `edge_gateway`
+under uvicorn on loopback, configured through the environment like a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Service:
+    def __init__(self, module: str, port: int, env: dict[str, str], log_path: Path) -> None:
+        self.module, self.port, self.log_path = module, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited early:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.module} not healthy in {timeout_s} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def kill(self) -> None:
+        """Die at once, as a crashed process would."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+def cloud_env(target: Path, port: int, **extra: str) -> dict[str, str]:
+    return {
+        "ASYMSPEC_CLOUD_TARGET_MODEL": str(target),
+        "ASYMSPEC_CLOUD_PORT": str(port),
+        "ASYMSPEC_CLOUD_TORCH_THREADS": "1",
+        **{f"ASYMSPEC_CLOUD_{k.upper()}": v for k, v in extra.items()},
+    }
+
+
+def edge_env(draft: Path, port: int, cloud_port: int, mode: str, **extra: str) -> dict[str, str]:
+    return {
+        "ASYMSPEC_MODE": mode,
+        "ASYMSPEC_EDGE_DRAFT_MODEL": str(draft),
+        "ASYMSPEC_EDGE_PORT": str(port),
+        "ASYMSPEC_EDGE_CLOUD_URL": f"ws://127.0.0.1:{cloud_port}/v1/channel",
+        "ASYMSPEC_EDGE_TORCH_THREADS": "1",
+        **{f"ASYMSPEC_EDGE_{k.upper()}": v for k, v in extra.items()},
+    }
+
+
+@contextmanager
+def running(module: str, port: int, env: dict[str, str], log_dir: Path) -> Iterator[Service]:
+    service = Service(module, port, env, log_dir / f"{module}-{port}.log")
+    try:
+        service.wait_healthy()
+        yield service
+    finally:
+        service.stop()

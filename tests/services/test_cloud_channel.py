@@ -1,0 +1,221 @@
+"""The cloud verifier's channel through a real uvicorn process and the edge's real client.
+
+Greedy sessions make every verdict checkable against the target's own argmax chain,
+computed here by recomputing the saved tiny target without any cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from transformers import AutoModelForCausalLM
+
+from asymspec.wire import (
+    BlockId,
+    CloseSession,
+    CorrectionKind,
+    CorrectionRequest,
+    ErrorCode,
+    OpenSession,
+    SamplingConfig,
+    TopK,
+    VerifyBlock,
+    VerifyResult,
+    config_digest,
+)
+from edge_gateway.channel import CloudChannel, CloudError
+from edge_gateway.metrics import EdgeMetrics
+from tests.backends.conftest import full_logits
+from tests.services.processes import Service, cloud_env, free_port, running
+from tests.services.tiny_models import save_tiny_pair
+
+GREEDY = SamplingConfig(0.0, 0, 1.0, 7)
+PROMPT = [5, 17, 42, 99, 3]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def cloud(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    port = free_port()
+    env = cloud_env(pair[0], port, shared_secret="s3cret", max_wait_ms="5")
+    with running("cloud_verifier", port, env, tmp_path_factory.mktemp("logs")) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def greedy_chain(pair: tuple[Path, Path]) -> list[int]:
+    """The target's greedy continuation of PROMPT (20 tokens), by full recompute."""
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    tokens = list(PROMPT)
+    for _ in range(20):
+        tokens.append(int(full_logits(model, tokens)[-1].argmax()))
+    return tokens[len(PROMPT) :]
+
+
+def with_channel(
+    cloud: Service,
+    body: Callable[[CloudChannel], Awaitable[Any]],
+    secret: str = "s3cret",
+    connect_timeout_s: float = 10,
+) -> Any:
+    async def run() -> Any:
+        channel = CloudChannel(
+            f"ws://127.0.0.1:{cloud.port}/v1/channel",
+            secret,
+            EdgeMetrics.create(CollectorRegistry()),
+        )
+        channel.start()
+        try:
+            await channel.wait_connected(connect_timeout_s)
+            return await body(channel)
+        finally:
+            await channel.stop()
+
+    return asyncio.run(run())
+
+
+def block_msg(
+    session_id: int, seq: int, base_len: int, tokens: list[int], tail: list[int] = []
+) -> VerifyBlock:  # noqa: B006
+    return VerifyBlock(
+        BlockId(session_id, seq, base_len, config_digest(GREEDY)),
+        np.asarray(tokens, dtype=np.uint32),
+        np.ones(len(tokens), dtype=np.float32),  # greedy drafts are one-hot: q(x) = 1
+        np.asarray(tail, dtype=np.uint32),
+    )
+
+
+def metric(cloud: Service, name: str) -> float:
+    text = httpx.get(f"{cloud.url}/metrics").text
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
+
+
+async def open_greedy(channel: CloudChannel, session_id: int) -> None:
+    prompt = np.asarray(PROMPT, dtype=np.uint32)
+    opened = await channel.open_session(
+        OpenSession(session_id, prompt, GREEDY, CorrectionKind.TOPK, 4)
+    )
+    assert opened.prefix_len == len(PROMPT)
+
+
+def test_accepts_matching_drafts_and_returns_bonus(cloud: Service, greedy_chain: list[int]) -> None:
+    async def body(channel: CloudChannel) -> VerifyResult:
+        await open_greedy(channel, 1)
+        return await channel.verify(block_msg(1, 1, len(PROMPT), greedy_chain[:4]))
+
+    result = with_channel(cloud, body)
+    assert result.n_accepted == 4 and result.next_token == greedy_chain[4]  # all + bonus
+
+
+def test_rejection_carries_exact_top1_and_retransmission_replays(
+    cloud: Service, greedy_chain: list[int]
+) -> None:
+    wrong = (greedy_chain[2] + 1) % 300
+    drafts = [*greedy_chain[:2], wrong, greedy_chain[3]]  # rejects at position 2
+
+    async def body(channel: CloudChannel) -> tuple[VerifyResult, VerifyResult, Any]:
+        await open_greedy(channel, 2)
+        first = await channel.verify(block_msg(2, 1, len(PROMPT), drafts))
+        again = await channel.verify(block_msg(2, 1, len(PROMPT), drafts))  # duplicate frame
+        more = await channel.correct(
+            CorrectionRequest(first.block, CorrectionKind.TOPK, 16, rung=1)
+        )
+        return first, again, more
+
+    first, again, more = with_channel(cloud, body)
+    assert first.n_accepted == 2 and first.next_token is None
+    assert isinstance(first.correction, TopK)
+    assert first.correction.token_ids[0] == greedy_chain[2]  # the target's argmax
+    assert first.correction.delta_p == 0.0  # greedy: top-1 certifies exactly
+    assert again == first  # the cached verdict, bit for bit
+    assert isinstance(more.payload, TopK) and len(more.payload.token_ids) == 16
+
+
+def test_next_block_commits_the_recovered_token(cloud: Service, greedy_chain: list[int]) -> None:
+    async def body(channel: CloudChannel) -> VerifyResult:
+        await open_greedy(channel, 3)
+        bad = (greedy_chain[0] + 1) % 300
+        first = await channel.verify(block_msg(3, 1, len(PROMPT), [bad]))
+        assert first.n_accepted == 0
+        # The edge recovered greedy_chain[0]; it travels as the next block's tail.
+        base = len(PROMPT) + 1
+        return await channel.verify(block_msg(3, 2, base, greedy_chain[1:4], [greedy_chain[0]]))
+
+    result = with_channel(cloud, body)
+    assert result.n_accepted == 3 and result.next_token == greedy_chain[4]
+
+
+@pytest.mark.parametrize(
+    "seq, base_len, tail, code",
+    [
+        (2, len(PROMPT), [], ErrorCode.STALE_BLOCK),  # skipped a sequence number
+        (1, len(PROMPT) - 1, [], ErrorCode.STALE_BLOCK),  # extends an older prefix
+        (1, len(PROMPT) + 1, [9], ErrorCode.STALE_BLOCK),  # a tail nobody asked for
+    ],
+)
+def test_stale_blocks_get_typed_errors_and_the_session_survives(
+    cloud: Service,
+    greedy_chain: list[int],
+    seq: int,
+    base_len: int,
+    tail: list[int],
+    code: ErrorCode,
+) -> None:
+    async def body(channel: CloudChannel) -> VerifyResult:
+        await open_greedy(channel, 4)
+        with pytest.raises(CloudError) as info:
+            await channel.verify(block_msg(4, seq, base_len, greedy_chain[:2], tail))
+        assert info.value.code == code
+        return await channel.verify(block_msg(4, 1, len(PROMPT), greedy_chain[:2]))
+
+    assert with_channel(cloud, body).n_accepted == 2
+
+
+def test_unknown_session_is_a_typed_error(cloud: Service) -> None:
+    async def body(channel: CloudChannel) -> None:
+        with pytest.raises(CloudError) as info:
+            await channel.verify(block_msg(999, 1, 5, [1]))
+        assert info.value.code == ErrorCode.UNKNOWN_SESSION
+
+    with_channel(cloud, body)
+
+
+def test_sessions_are_freed_on_close_and_on_disconnect(cloud: Service) -> None:
+    async def body(channel: CloudChannel) -> None:
+        for sid in (10, 11, 12):
+            await open_greedy(channel, sid)
+        assert metric(cloud, "asymspec_cloud_sessions") >= 3
+        await channel.send(CloseSession(10))
+        await asyncio.sleep(0.3)
+
+    with_channel(cloud, body)  # leaving closes the socket with 11 and 12 still open
+    for _ in range(50):
+        if metric(cloud, "asymspec_cloud_sessions") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(cloud, "asymspec_cloud_sessions") == 0
+
+
+def test_wrong_secret_is_refused_and_counted(cloud: Service) -> None:
+    before = metric(cloud, "asymspec_channel_auth_failures_total")
+
+    async def body(channel: CloudChannel) -> None:
+        return None
+
+    with pytest.raises(Exception):  # noqa: B017 - never connects, so wait_connected fails
+        with_channel(cloud, body, secret="wrong", connect_timeout_s=2)
+    assert metric(cloud, "asymspec_channel_auth_failures_total") > before

@@ -1,0 +1,60 @@
+"""A tiny but real model pair on disk for tests through real service processes.
+
+A byte-level BPE tokenizer trained in memory on a few lines of text (with a chat template),
+and two random-weight Llamas over its vocabulary — a target and a draft that is a noisy
+copy of it, so blocks see both acceptances and rejections. Saved with `save_pretrained`,
+they load through the same `load_causal_lm` path as any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tests.backends.conftest import build_tiny_llama, noisy_copy
+
+TINY_VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens at the edge and verifies them in the cloud.",
+    "import numpy as np\nx = np.arange(8)\n",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|end|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_pair(root: Path, draft_noise: float = 0.02) -> tuple[Path, Path]:
+    """Write target/ and draft/ checkpoints (weights + tokenizer) under root."""
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    target = build_tiny_llama(seed=0, hidden_size=64, vocab_size=vocab)
+    draft = noisy_copy(target, noise_std=draft_noise, seed=1)
+    paths = root / "target", root / "draft"
+    for model, path in zip((target, draft), paths, strict=True):
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return paths
