@@ -21,7 +21,7 @@ models: $(STAMP)
 	$(BIN)/python -m asymspec.backends.prepare
 
 run: install
-	@echo "make run: not yet available (the services land with the services issue)"; exit 1
+	scripts/run_local.sh
 
 test: install
 	$(BIN)/python -m pytest -q

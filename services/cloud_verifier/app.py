@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.engine import CachedLM
@@ -24,7 +24,7 @@ from asymspec.backends.loading import load_causal_lm
 from asymspec.backends.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
-from cloud_verifier.metrics import CloudMetrics, render_metrics
+from cloud_verifier.metrics import CloudMetrics, metrics_router
 from cloud_verifier.settings import CloudSettings
 
 log = logging.getLogger("asymspec.cloud")
@@ -90,6 +90,7 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="asymspec cloud verifier", lifespan=lifespan)
     app.state.cloud = state
+    app.include_router(metrics_router(registry))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -110,10 +111,6 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
             "owned_by": "asymspec",
         }
         return {"object": "list", "data": [card]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return render_metrics(registry)
 
     @app.websocket("/v1/channel")
     async def channel(ws: WebSocket) -> None:

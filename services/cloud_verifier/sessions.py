@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from asymspec.correction import (
-    CorrectionKindName,
     Answer,
+    CorrectionKindName,
     FullAnswer,
     ProposalsAnswer,
     Rung,

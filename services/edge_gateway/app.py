@@ -25,7 +25,8 @@ from asymspec.backends.loading import load_causal_lm
 from edge_gateway.channel import CloudChannel
 from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
-from edge_gateway.metrics import EdgeMetrics, render_metrics
+from edge_gateway.metrics import EdgeMetrics, metrics_router
+from edge_gateway.openai_api import ApiSettings, build_router, install_error_handlers
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
@@ -88,7 +89,10 @@ async def _start(state: EdgeState) -> None:
 def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     settings = settings or EdgeSettings()
     registry = CollectorRegistry()
-    state = EdgeState(settings, EdgeMetrics.create(registry, model_name=settings.served_model_name))
+    metrics = EdgeMetrics.create(
+        registry, model_name=settings.served_model_name, mode=settings.mode
+    )
+    state = EdgeState(settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,6 +105,17 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="asymspec edge gateway", lifespan=lifespan)
     app.state.edge = state
+    install_error_handlers(app)
+    api_settings = ApiSettings(
+        served_model_name=settings.served_model_name,
+        max_model_len=settings.max_model_len,
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+    )
+    app.include_router(
+        build_router(lambda: state.engine, lambda: state.tokenizer, api_settings, metrics)
+    )
+    app.include_router(metrics_router(registry))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -108,9 +123,5 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok", "mode": settings.mode})
-
-    @app.get("/metrics")
-    async def metrics() -> Any:
-        return render_metrics(registry)
 
     return app

@@ -228,7 +228,7 @@ class _RequestState:
         self.confirmed += [*accepted, new_token]
         self.cached = min(self.cached, base_len + n)
         await engine.scheduler.rollback(self.key, self.cached)
-        self._count(gamma, n, bonus=n == gamma)
+        engine.metrics.record_block(gamma, n)
         return [*accepted, new_token]
 
     async def _resolve(self, block: _Block, result: VerifyResult) -> int:
@@ -256,15 +256,6 @@ class _RequestState:
                 )
             )
             payload = reply.payload
-
-    def _count(self, gamma: int, n_accepted: int, bonus: bool) -> None:
-        m = self.engine.metrics
-        m.spec_drafts.inc()
-        m.spec_draft_tokens.inc(gamma)
-        m.spec_accepted.inc(n_accepted)
-        for position in range(n_accepted):
-            m.spec_accepted_per_pos.labels(position=str(position)).inc()
-        (m.spec_bonus if bonus else m.spec_recovered).inc()
 
     def _count_correction(self, outcome: Recovered) -> None:
         m = self.engine.metrics

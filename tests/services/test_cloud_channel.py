@@ -87,8 +87,8 @@ def with_channel(
 
 
 def block_msg(
-    session_id: int, seq: int, base_len: int, tokens: list[int], tail: list[int] = []
-) -> VerifyBlock:  # noqa: B006
+    session_id: int, seq: int, base_len: int, tokens: list[int], tail: tuple[int, ...] = ()
+) -> VerifyBlock:
     return VerifyBlock(
         BlockId(session_id, seq, base_len, config_digest(GREEDY)),
         np.asarray(tokens, dtype=np.uint32),
@@ -153,7 +153,7 @@ def test_next_block_commits_the_recovered_token(cloud: Service, greedy_chain: li
         assert first.n_accepted == 0
         # The edge recovered greedy_chain[0]; it travels as the next block's tail.
         base = len(PROMPT) + 1
-        return await channel.verify(block_msg(3, 2, base, greedy_chain[1:4], [greedy_chain[0]]))
+        return await channel.verify(block_msg(3, 2, base, greedy_chain[1:4], (greedy_chain[0],)))
 
     result = with_channel(cloud, body)
     assert result.n_accepted == 3 and result.next_token == greedy_chain[4]
@@ -162,9 +162,9 @@ def test_next_block_commits_the_recovered_token(cloud: Service, greedy_chain: li
 @pytest.mark.parametrize(
     "seq, base_len, tail, code",
     [
-        (2, len(PROMPT), [], ErrorCode.STALE_BLOCK),  # skipped a sequence number
-        (1, len(PROMPT) - 1, [], ErrorCode.STALE_BLOCK),  # extends an older prefix
-        (1, len(PROMPT) + 1, [9], ErrorCode.STALE_BLOCK),  # a tail nobody asked for
+        (2, len(PROMPT), (), ErrorCode.STALE_BLOCK),  # skipped a sequence number
+        (1, len(PROMPT) - 1, (), ErrorCode.STALE_BLOCK),  # extends an older prefix
+        (1, len(PROMPT) + 1, (9,), ErrorCode.STALE_BLOCK),  # a tail nobody asked for
     ],
 )
 def test_stale_blocks_get_typed_errors_and_the_session_survives(
@@ -172,7 +172,7 @@ def test_stale_blocks_get_typed_errors_and_the_session_survives(
     greedy_chain: list[int],
     seq: int,
     base_len: int,
-    tail: list[int],
+    tail: tuple[int, ...],
     code: ErrorCode,
 ) -> None:
     async def body(channel: CloudChannel) -> VerifyResult:

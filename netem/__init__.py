@@ -1,0 +1,1 @@
+"""The link-shaping sidecar: `netem.linkshaper` (see netem/README.md)."""

@@ -1,0 +1,98 @@
+"""The edge's draft model: proposes a block of γ tokens per request, batched across requests.
+
+Cache convention (the same as the target's): a session's cache lags its committed sequence
+by at least one token. The committed tokens from ``length(session)`` on are *pending*; they
+go into the next request, and the row after the last of them is q_1. After proposing, the
+cache holds the pending tokens and x_1 .. x_{γ-1} (x_γ is sampled, never fed). After the
+verdict the caller rolls back to the confirmed prefix and sends the newly committed tokens
+(accepted tail, recovered or bonus) as the next pending tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from asymspec.backends.engine import CachedLM, draw_uniform
+from asymspec.sampling import SamplingParams, draft_rows_from_half, sample, transform
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    session_id: str
+    pending_tokens: Sequence[int]  # committed tokens the draft's cache has not seen (>= 1)
+    num_draft_tokens: int  # γ for this block (>= 1)
+    params: SamplingParams
+    generator: torch.Generator  # CPU; one uniform per draft token comes from it
+    # Full-upload modes send q rows as float16: sample from exactly the rows the cloud will
+    # reconstruct (sampling.draft_rows_from_half) so both sides test acceptance on one q.
+    quantize_half: bool = False
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One proposed block. ``rows`` stays at the edge: the certificate and recovery need q."""
+
+    tokens: npt.NDArray[np.uint32]  # [γ] x_1 .. x_γ
+    probs: npt.NDArray[np.float32]  # [γ] q_i(x_i) == rows[i, tokens[i]]
+    rows: torch.Tensor  # [γ, V] float32 on the CPU: q_1 .. q_γ after the sampling transform
+    half_rows: npt.NDArray[np.float16] | None = None  # [γ, V] as uploaded (quantize_half)
+
+
+class DraftModel:
+    """Owns the draft LM's per-session caches; one batched forward per draft step."""
+
+    def __init__(self, lm: CachedLM) -> None:
+        self.lm = lm
+
+    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
+        """Prefill all but the last prompt token, which stays pending for the first block."""
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.lm.open(session_id, prompt_ids[:-1])
+
+    def close(self, session_id: str) -> None:
+        self.lm.close(session_id)
+
+    def length(self, session_id: str) -> int:
+        return self.lm.length(session_id)
+
+    def rollback(self, session_id: str, confirmed_len: int) -> None:
+        """Drop cached draft positions past the confirmed prefix (never recomputes it)."""
+        self.lm.truncate(session_id, min(confirmed_len, self.lm.length(session_id)))
+
+    def propose(self, batch: Sequence[DraftRequest]) -> list[Draft]:
+        """γ_r draft tokens for every request; step k forwards every request with γ_r > k."""
+        for request in batch:
+            if request.num_draft_tokens < 1 or not request.pending_tokens:
+                raise ValueError(f"{request.session_id!r}: need γ >= 1 and >= 1 pending token")
+        tokens: list[list[int]] = [[] for _ in batch]
+        rows: list[list[torch.Tensor]] = [[] for _ in batch]
+        halves: list[list[np.ndarray]] = [[] for _ in batch]  # float16 rows, full-upload only
+        for step in range(max((r.num_draft_tokens for r in batch), default=0)):
+            active = [i for i, r in enumerate(batch) if r.num_draft_tokens > step]
+            inputs = [batch[i].pending_tokens if step == 0 else [tokens[i][-1]] for i in active]
+            logits = self.lm.forward_new(
+                [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)]
+            )
+            for i, step_logits in zip(active, logits, strict=True):
+                q = transform(step_logits[-1], batch[i].params).cpu()  # [V]
+                if batch[i].quantize_half:
+                    half = q.half().numpy()  # [V] exactly what goes on the wire
+                    halves[i].append(half)
+                    q = torch.from_numpy(draft_rows_from_half(half[None])[0])
+                tokens[i].append(sample(q, draw_uniform(batch[i].generator)))
+                rows[i].append(q)
+        return [_as_draft(*parts) for parts in zip(tokens, rows, halves, strict=True)]
+
+
+def _as_draft(tokens: list[int], rows: list[torch.Tensor], halves: list[np.ndarray]) -> Draft:
+    q_rows = torch.stack(rows)  # [γ, V]
+    ids = np.asarray(tokens, dtype=np.uint32)  # [γ]
+    probs = q_rows[torch.arange(len(tokens)), torch.as_tensor(tokens)].numpy()  # [γ]
+    half = np.stack(halves) if halves else None  # [γ, V] float16
+    return Draft(tokens=ids, probs=probs.astype(np.float32), rows=q_rows, half_rows=half)

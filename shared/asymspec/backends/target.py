@@ -1,0 +1,84 @@
+"""The cloud's target model: scores draft blocks for many sessions in one forward.
+
+Cache convention (the same as the draft's): a session's cache lags its committed sequence
+by at least one token. The committed tokens from ``length(session)`` on are the committed
+*tail* (usually the one recovered or bonus token of the last block); a score request sends
+the tail followed by the γ draft tokens, and the last γ+1 rows of that forward are
+p_1 .. p_γ (predicting x_1 .. x_γ) and p_{γ+1} (the bonus position). After the verdict
+``commit`` keeps the tail and the accepted drafts and drops the rejected positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asymspec.backends.engine import CachedLM, draw_uniform
+from asymspec.sampling import SamplingParams, sample, transform
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    session_id: str
+    new_tokens: Sequence[int]  # committed tail (>= 1 token) + the γ draft tokens
+    num_draft_tokens: int  # γ: how many of new_tokens are drafts (the rest is the tail)
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One target-only decoding step: feed the pending tokens, sample the next token."""
+
+    session_id: str
+    pending_tokens: Sequence[int]  # committed tokens the target's cache has not seen (>= 1)
+    params: SamplingParams
+    generator: torch.Generator  # CPU; one uniform per step
+
+
+class TargetModel:
+    """Owns the target LM's per-session caches; one forward per batch of blocks."""
+
+    def __init__(self, lm: CachedLM) -> None:
+        self.lm = lm
+
+    @property
+    def forward_calls(self) -> int:
+        """Target forwards so far, prefills included (SPADE's "target model calls")."""
+        return self.lm.forward_calls
+
+    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
+        """Prefill all but the last prompt token, which is the first block's tail."""
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.lm.open(session_id, prompt_ids[:-1])
+
+    def close(self, session_id: str) -> None:
+        self.lm.close(session_id)
+
+    def length(self, session_id: str) -> int:
+        return self.lm.length(session_id)
+
+    def score(self, batch: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Per request the float32 logits [γ+1, V] of p_1 .. p_{γ+1}, in one forward."""
+        for request in batch:
+            if not 0 <= request.num_draft_tokens < len(request.new_tokens):
+                raise ValueError(f"{request.session_id!r}: need a tail of >= 1 token before γ")
+        logits = self.lm.forward_new([(r.session_id, r.new_tokens) for r in batch])
+        return [rows[-(r.num_draft_tokens + 1) :] for r, rows in zip(batch, logits, strict=True)]
+
+    def commit(self, session_id: str, kept_len: int) -> None:
+        """Keep the first ``kept_len`` cached tokens (tail + accepted drafts); drop the rest."""
+        self.lm.truncate(session_id, kept_len)
+
+    def next_logits(self, batch: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """Per (session_id, pending tokens) the float32 logits [V] after the last of them."""
+        return [rows[-1] for rows in self.lm.forward_new(batch)]
+
+    def generate_step(self, batch: Sequence[StepRequest]) -> list[int]:
+        """Target-only decoding: one batched forward, one sampled token per request."""
+        logits = self.next_logits([(r.session_id, r.pending_tokens) for r in batch])
+        return [
+            sample(transform(row, r.params), draw_uniform(r.generator))
+            for r, row in zip(batch, logits, strict=True)
+        ]

@@ -1,0 +1,145 @@
+"""DraftModel: proposed blocks are consistent, batched like unbatched, seeded, rolled back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from asymspec.backends.draft import Draft, DraftModel, DraftRequest
+from asymspec.backends.engine import CachedLM
+from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
+from tests.backends.conftest import TINY_VOCAB, full_logits
+
+T1 = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(
+    session_id: str, pending: list[int], gamma: int, params: SamplingParams = T1, seed: int = 0
+) -> DraftRequest:
+    return DraftRequest(session_id, pending, gamma, params, torch.Generator().manual_seed(seed))
+
+
+def _propose_one(
+    draft: DraftModel, prompt: list[int], gamma: int, params: SamplingParams = T1, seed: int = 0
+) -> Draft:
+    draft.open("s", prompt)
+    return draft.propose([_request("s", prompt[-1:], gamma, params, seed)])[0]
+
+
+def test_block_shapes_and_q_of_the_drafted_tokens(draft: DraftModel) -> None:
+    block = _propose_one(draft, [4, 8, 15], gamma=4)
+    assert block.tokens.dtype == np.uint32 and block.tokens.shape == (4,)
+    assert block.probs.dtype == np.float32 and block.probs.shape == (4,)
+    assert block.rows.dtype == torch.float32 and block.rows.shape == (4, TINY_VOCAB)
+    for i, token in enumerate(block.tokens):
+        assert block.probs[i] == block.rows[i, int(token)]  # exactly q_i(x_i), bit for bit
+        assert block.probs[i] > 0.0
+    assert torch.allclose(block.rows.sum(-1), torch.ones(4))
+
+
+def test_rows_are_the_transformed_draft_distributions(
+    draft: DraftModel, tiny_draft_model: LlamaForCausalLM
+) -> None:
+    """q_i is the transform of the draft's logits after prompt + x_1 .. x_{i-1}."""
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    prompt = [1, 2, 3, 5, 8]
+    block = _propose_one(draft, prompt, gamma=3, params=params)
+    logits = full_logits(tiny_draft_model, prompt + block.tokens.tolist())  # [n, V]
+    expected = transform(logits[len(prompt) - 1 : len(prompt) + 2], params)  # [γ, V]
+    assert float((block.rows - expected).abs().max()) <= 1e-4
+
+
+def test_greedy_drafts_follow_the_argmax_chain(
+    draft: DraftModel, tiny_draft_model: LlamaForCausalLM
+) -> None:
+    prompt = [9, 9, 2]
+    block = _propose_one(draft, prompt, gamma=5, params=GREEDY)
+    logits = full_logits(tiny_draft_model, prompt + block.tokens.tolist())
+    assert block.tokens.tolist() == logits[2:7].argmax(-1).tolist()
+    assert block.probs.tolist() == [1.0] * 5
+
+
+def test_batched_propose_equals_one_at_a_time(tiny_draft_model: LlamaForCausalLM) -> None:
+    """Different prefixes, pending counts and γ (rows finish early) in one batch."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [10], [20, 21, 22]]
+    cuts, gammas = [4, 0, 1], [4, 1, 2]  # prefix lengths; the rest of a prompt is pending
+    together, alone = DraftModel(CachedLM(tiny_draft_model)), DraftModel(CachedLM(tiny_draft_model))
+    for i, prompt in enumerate(prompts):
+        together.lm.open(f"s{i}", prompt[: cuts[i]])
+        alone.lm.open(f"s{i}", prompt[: cuts[i]])
+
+    def request(i: int) -> DraftRequest:  # a fresh generator per call: same seed, same u's
+        return _request(f"s{i}", prompts[i][cuts[i] :], gammas[i], seed=i)
+
+    calls_before = together.lm.forward_calls
+    batched = together.propose([request(i) for i in range(len(prompts))])
+    assert together.lm.forward_calls - calls_before == max(gammas)  # one forward per step
+    for i in range(len(prompts)):
+        (single,) = alone.propose([request(i)])
+        assert batched[i].tokens.tolist() == single.tokens.tolist()
+        assert float((batched[i].rows - single.rows).abs().max()) <= 1e-4
+        assert together.length(f"s{i}") == len(prompts[i]) + gammas[i] - 1
+
+
+def test_same_seed_same_block_other_seed_other_block(tiny_draft_model: LlamaForCausalLM) -> None:
+    blocks = []
+    for seed in (7, 7, 8):
+        model = DraftModel(CachedLM(tiny_draft_model))
+        blocks.append(_propose_one(model, [3, 3, 3], gamma=8, seed=seed))
+    assert blocks[0].tokens.tolist() == blocks[1].tokens.tolist()
+    assert np.array_equal(blocks[0].probs, blocks[1].probs)
+    assert blocks[0].tokens.tolist() != blocks[2].tokens.tolist()
+
+
+def test_rollback_then_propose_equals_a_fresh_draft(tiny_draft_model: LlamaForCausalLM) -> None:
+    """After a verdict the draft keeps the confirmed prefix and continues from it."""
+    draft = DraftModel(CachedLM(tiny_draft_model))
+    prompt = [5, 6, 7, 8]
+    first = _propose_one(draft, prompt, gamma=4, params=GREEDY)
+    # Verdict: 2 accepted, then a recovered token 42.
+    committed = prompt + first.tokens[:2].tolist() + [42]
+    draft.rollback("s", len(prompt) + 2)
+    assert draft.length("s") == len(prompt) + 2
+    pending = committed[draft.length("s") :]
+    again = draft.propose([_request("s", pending, 3, GREEDY)])[0]
+    fresh = DraftModel(CachedLM(tiny_draft_model))
+    expected = _propose_one(fresh, committed, gamma=3, params=GREEDY)
+    assert again.tokens.tolist() == expected.tokens.tolist()
+    assert float((again.rows - expected.rows).abs().max()) <= 1e-4
+
+
+def test_rollback_past_the_cache_keeps_it(draft: DraftModel) -> None:
+    """All γ accepted: the confirmed prefix is longer than the cache (x_γ never fed)."""
+    _propose_one(draft, [1, 2], gamma=3)
+    assert draft.length("s") == 1 + 1 + 2  # prefill, pending, x_1 .. x_{γ-1}
+    draft.rollback("s", 2 + 3)
+    assert draft.length("s") == 4
+
+
+def test_full_upload_drafts_sample_from_the_float16_rows(draft: DraftModel) -> None:
+    """With quantize_half, q is the float16 row the cloud reconstructs, on both sides."""
+    draft.open("a", [1, 2, 3])
+    draft.open("b", [4, 5])
+    half_request = DraftRequest("a", [3], 3, T1, torch.Generator().manual_seed(0), True)
+    exact, half = draft.propose([_request("b", [5], 2), half_request])
+    assert exact.half_rows is None
+    assert half.half_rows is not None and half.half_rows.dtype == np.float16
+    assert half.half_rows.shape == (3, TINY_VOCAB)
+    assert np.array_equal(half.rows.numpy(), draft_rows_from_half(half.half_rows))
+    for i, token in enumerate(half.tokens):
+        assert half.probs[i] == half.rows[i, int(token)] > 0.0
+
+
+@pytest.mark.parametrize(("pending", "gamma"), [([1], 0), ([], 2)])
+def test_invalid_requests_are_refused(draft: DraftModel, pending: list[int], gamma: int) -> None:
+    draft.open("s", [1, 2])
+    with pytest.raises(ValueError):
+        draft.propose([_request("s", pending, gamma)])
+
+
+def test_open_needs_a_prompt(draft: DraftModel) -> None:
+    with pytest.raises(ValueError):
+        draft.open("s", [])

@@ -1,0 +1,253 @@
+"""CachedLM: cached, batched and rolled-back forwards equal recomputing from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from asymspec.backends.embedded import EMBEDDED_DRAFT, ModelNotPrepared
+from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import default_dtype, load_causal_lm, pick_device
+from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
+
+TOLERANCE = 1e-4  # max abs difference, logits or probabilities
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist()
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# ---------------------------------------------------------------- one session
+
+
+def test_open_returns_the_last_row_of_the_prefill(
+    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+) -> None:
+    prompt = _tokens(0, 12)
+    last_row = target_lm.open("s", prompt)  # [V]
+    assert last_row is not None and last_row.shape == (TINY_VOCAB,)
+    assert _max_diff(last_row, full_logits(tiny_target_model, prompt)[-1]) <= TOLERANCE
+    assert target_lm.length("s") == 12 and target_lm.token_ids("s") == prompt
+
+
+def test_incremental_logits_equal_full_recompute(
+    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+) -> None:
+    sequence = _tokens(1, 150)  # long enough to regrow the buffers (64-position quanta)
+    target_lm.open("s", sequence[:10])
+    start = 10
+    for chunk in (1, 5, 1, 70, 3, 60):  # [n_new] per round, single and multi-token
+        new = sequence[start : start + chunk]
+        (logits,) = target_lm.forward_new([("s", new)])  # [chunk, V]
+        expected = full_logits(tiny_target_model, sequence[: start + chunk])[start:]
+        assert logits.shape == (chunk, TINY_VOCAB)
+        assert _max_diff(logits, expected) <= TOLERANCE
+        start += chunk
+    assert target_lm.length("s") == start
+
+
+def test_empty_open_then_forward(target_lm: CachedLM, tiny_target_model: LlamaForCausalLM) -> None:
+    assert target_lm.open("s", []) is None
+    assert target_lm.length("s") == 0
+    (logits,) = target_lm.forward_new([("s", [5, 6, 7])])
+    assert _max_diff(logits, full_logits(tiny_target_model, [5, 6, 7])) <= TOLERANCE
+
+
+def test_batch_of_one_appends_in_place(target_lm: CachedLM) -> None:
+    """The fast path writes into the session's buffer: the prefix is neither copied nor
+    recomputed while the buffer has room (a white-box check of the engine's promise)."""
+    target_lm.open("s", _tokens(2, 10))
+    buffer_before = target_lm._session("s").keys[0]
+    assert buffer_before is not None
+    for token in _tokens(3, 20):
+        target_lm.forward_new([("s", [token])])
+    buffer_after = target_lm._session("s").keys[0]
+    assert buffer_after is not None and buffer_after.data_ptr() == buffer_before.data_ptr()
+
+
+# ---------------------------------------------------------------- batching
+
+
+def _open_ragged(lm: CachedLM, prefixes: list[list[int]]) -> None:
+    for i, prefix in enumerate(prefixes):
+        lm.open(f"s{i}", prefix)
+
+
+def test_batched_forward_equals_unbatched(tiny_target_model: LlamaForCausalLM) -> None:
+    prefixes = [_tokens(10, 3), _tokens(11, 40), [], _tokens(12, 17)]  # L_b differ, one empty
+    new_tokens = [_tokens(20, 5), _tokens(21, 1), _tokens(22, 3), _tokens(23, 2)]  # n_b differ
+    batched, alone = CachedLM(tiny_target_model), CachedLM(tiny_target_model)
+    _open_ragged(batched, prefixes)
+    _open_ragged(alone, prefixes)
+    together = batched.forward_new([(f"s{i}", new) for i, new in enumerate(new_tokens)])
+    for i, new in enumerate(new_tokens):
+        (single,) = alone.forward_new([(f"s{i}", new)])
+        assert together[i].shape == (len(new), TINY_VOCAB)
+        probs, single_probs = torch.softmax(together[i], -1), torch.softmax(single, -1)
+        assert _max_diff(probs, single_probs) <= TOLERANCE
+        assert torch.equal(together[i].argmax(-1), single.argmax(-1))
+    assert batched.forward_calls == len(prefixes) - 1 + 1  # 3 prefills (one empty) + 1 batch
+
+
+def test_batched_rounds_keep_every_cache_right(tiny_target_model: LlamaForCausalLM) -> None:
+    """After a batched forward each session's own cache holds exactly its new K/V."""
+    lm = CachedLM(tiny_target_model)
+    sequences = [_tokens(30, 30), _tokens(31, 30), _tokens(32, 30)]
+    cut = [4, 19, 9]  # prefix lengths
+    for i, sequence in enumerate(sequences):
+        lm.open(f"s{i}", sequence[: cut[i]])
+    for step in ((2, 1, 4), (1, 3, 1), (5, 2, 2)):  # new-token counts per session per round
+        batch = [(f"s{i}", sequences[i][cut[i] : cut[i] + n]) for i, n in enumerate(step)]
+        outputs = lm.forward_new(batch)
+        for i, n in enumerate(step):
+            expected = full_logits(tiny_target_model, sequences[i][: cut[i] + n])[cut[i] :]
+            assert _max_diff(outputs[i], expected) <= TOLERANCE
+            cut[i] += n
+
+
+# ---------------------------------------------------------------- rollback
+
+
+def test_truncate_then_continue_equals_recompute(
+    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+) -> None:
+    prompt, rejected, replacement = _tokens(40, 20), _tokens(41, 5), _tokens(42, 3)
+    target_lm.open("s", prompt)
+    target_lm.open("other", prompt[:7])
+    target_lm.forward_new([("s", rejected), ("other", [1])])  # batched, then rolled back
+    target_lm.truncate("s", 22)  # keeps 2 of the 5
+    assert target_lm.token_ids("s") == prompt + rejected[:2]
+    (logits,) = target_lm.forward_new([("s", replacement)])
+    expected = full_logits(tiny_target_model, prompt + rejected[:2] + replacement)[22:]
+    assert _max_diff(logits, expected) <= TOLERANCE
+
+
+def test_truncate_to_zero_restarts_the_session(
+    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+) -> None:
+    target_lm.open("s", _tokens(43, 9))
+    target_lm.truncate("s", 0)
+    (logits,) = target_lm.forward_new([("s", [3, 1, 4])])
+    assert _max_diff(logits, full_logits(tiny_target_model, [3, 1, 4])) <= TOLERANCE
+
+
+# ---------------------------------------------------------------- bookkeeping and errors
+
+
+def test_sessions_count_and_idempotent_close(target_lm: CachedLM) -> None:
+    target_lm.open("a", [1])
+    target_lm.open("b", [2, 3])
+    assert target_lm.sessions() == 2
+    target_lm.close("a")
+    target_lm.close("a")  # a retried close is harmless
+    assert target_lm.sessions() == 1
+
+
+@pytest.mark.parametrize(
+    ("batch", "error"),
+    [
+        ([("missing", [1])], KeyError),  # unknown session
+        ([("a", [1]), ("a", [2])], ValueError),  # one session twice in a batch
+        ([("a", [])], ValueError),  # nothing to forward
+    ],
+)
+def test_bad_batches_fail_before_touching_state(
+    target_lm: CachedLM, batch: list[tuple[str, list[int]]], error: type[Exception]
+) -> None:
+    target_lm.open("a", [1, 2])
+    with pytest.raises(error):
+        target_lm.forward_new(batch)
+    assert target_lm.length("a") == 2 and target_lm.forward_calls == 1
+
+
+def test_truncate_cannot_grow_and_open_cannot_reopen(target_lm: CachedLM) -> None:
+    target_lm.open("a", [1, 2])
+    with pytest.raises(ValueError):
+        target_lm.truncate("a", 3)
+    with pytest.raises(KeyError):
+        target_lm.open("a", [1])
+
+
+def test_a_failed_prefill_leaves_no_session(target_lm: CachedLM) -> None:
+    with pytest.raises(IndexError):  # a token id outside the vocabulary
+        target_lm.open("s", [1, TINY_VOCAB + 5])
+    assert target_lm.sessions() == 0
+    target_lm.open("s", [1, 2])  # the id is free again
+
+
+def test_sliding_window_models_are_refused() -> None:
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
+    with pytest.raises(ValueError, match="full-attention"):
+        CachedLM(MistralForCausalLM(config))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _save_checkpoint(folder: Path) -> LlamaForCausalLM:
+    """A tiny Llama and a word-level tokenizer over its vocabulary, saved like any checkpoint."""
+    model = build_tiny_llama(seed=5, hidden_size=32)
+    model.save_pretrained(folder)
+    words = WordLevel(
+        {f"w{i}": i for i in range(TINY_VOCAB - 1)} | {"<unk>": TINY_VOCAB - 1}, "<unk>"
+    )
+    backend = Tokenizer(words)
+    backend.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(folder)
+    return model
+
+
+def test_load_causal_lm_from_a_local_folder(tmp_path: Path) -> None:
+    saved = _save_checkpoint(tmp_path)
+    model, tokenizer = load_causal_lm(str(tmp_path), device="cpu")
+    assert not model.training and model.dtype == torch.float32
+    ids = tokenizer("w1 w5 w7")["input_ids"]
+    assert ids == [1, 5, 7]
+    assert _max_diff(full_logits(model, ids), full_logits(saved, ids)) <= TOLERANCE
+
+
+def test_embedded_names_resolve_in_the_model_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYMSPEC_MODEL_CACHE", str(tmp_path))
+    with pytest.raises(ModelNotPrepared, match="make models"):
+        load_causal_lm(EMBEDDED_DRAFT, device="cpu")
+    _save_checkpoint(tmp_path / "smollm2-draft")
+    model, _ = load_causal_lm(EMBEDDED_DRAFT, device="cpu")
+    assert model.config.vocab_size == TINY_VOCAB
+
+
+def test_hub_ids_stay_offline_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYMSPEC_ALLOW_DOWNLOAD", raising=False)
+    with pytest.raises(OSError):  # not in the local HF cache, and no download attempted
+        load_causal_lm("asymspec-test/does-not-exist", device="cpu")
+
+
+def test_device_and_dtype_defaults() -> None:
+    assert pick_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert default_dtype("cpu") == torch.float32
+    assert default_dtype("cuda") == torch.bfloat16

@@ -1,0 +1,278 @@
+"""End to end through real processes: a cloud verifier and edge gateways in several modes,
+on loopback, with a tiny real model pair, driven over HTTP like a user would.
+
+- greedy output through every speculative mode equals target-only output;
+- at temperature 1 the first three tokens follow the target's exact joint distribution;
+- concurrent streams finish with correct usage, and /metrics agrees with the clients;
+- the official openai client works unmodified; bad input gets OpenAI error bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from openai import OpenAI
+from scipy import stats
+from transformers import AutoModelForCausalLM
+
+from asymspec.sampling import SamplingParams, transform
+from tests.backends.conftest import full_logits
+from tests.services.processes import Service, cloud_env, edge_env, free_port, running
+from tests.services.tiny_models import save_tiny_pair
+
+MODES = (
+    "asymspec",
+    "target-only",
+    "draft-only",
+    "no-topk",
+    "full-upload",
+    "standard",
+    "no-pipeline",
+)
+SPECULATIVE = ("asymspec", "no-topk", "full-upload", "standard", "no-pipeline")
+PROMPT_IDS = [40, 41, 42, 43, 44, 45]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def edges(
+    pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Service]]:
+    logs = tmp_path_factory.mktemp("logs")
+    with ExitStack() as stack:
+        cloud_port = free_port()
+        stack.enter_context(
+            running("cloud_verifier", cloud_port, cloud_env(pair[0], cloud_port), logs)
+        )
+        services = {}
+        for mode in MODES:
+            port = free_port()
+            env = edge_env(pair[1], port, cloud_port, mode, max_model_len="512")
+            services[mode] = stack.enter_context(running("edge_gateway", port, env, logs))
+        yield services
+
+
+def complete(edge: Service, **body: object) -> dict:
+    body = {"model": "asymspec", **body}
+    response = httpx.post(f"{edge.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_chat(edge: Service, **body: object) -> tuple[str, dict | None, str | None]:
+    """Streamed chat: (content, usage chunk, finish_reason)."""
+    body = {"model": "asymspec", "stream": True, **body}
+    content, usage, finish = "", None, None
+    with httpx.stream("POST", f"{edge.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert "error" not in chunk, chunk
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            finish = choice.get("finish_reason") or finish
+    return content, usage, finish
+
+
+# ---------------------------------------------------------------- greedy equivalence
+
+
+@pytest.mark.parametrize("mode", SPECULATIVE)
+def test_greedy_completions_match_target_only(edges: dict[str, Service], mode: str) -> None:
+    for prompt in ("def add(a, b):", "The quick brown", PROMPT_IDS):
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        expected = complete(edges["target-only"], **body)["choices"][0]["text"]
+        got = complete(edges[mode], **body)["choices"][0]["text"]
+        assert got == expected
+
+
+@pytest.mark.parametrize("mode", SPECULATIVE)
+def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode: str) -> None:
+    messages = [{"role": "user", "content": "print the squares"}]
+    body = {"messages": messages, "max_tokens": 20, "temperature": 0}
+    expected = httpx.post(
+        f"{edges['target-only'].url}/v1/chat/completions", json=body, timeout=60
+    ).json()["choices"][0]["message"]["content"]
+    content, usage, _ = stream_chat(edges[mode], stream_options={"include_usage": True}, **body)
+    assert content == expected
+    assert usage is not None and usage["completion_tokens"] <= 20
+
+
+# ---------------------------------------------------------------- distribution
+
+
+def exact_joint(
+    target_dir: Path, params: SamplingParams, length: int
+) -> dict[tuple[int, ...], float]:
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for seq, prob in joint.items():
+            row = transform(full_logits(model, [*PROMPT_IDS, *seq])[-1], params).double()
+            for token in torch.nonzero(row).flatten().tolist():
+                grown[(*seq, token)] = prob * float(row[token] / row.sum())
+        joint = grown
+    return joint
+
+
+async def sample_first_tokens(edge: Service, n: int, top_k: int) -> Counter[tuple[int, ...]]:
+    counts: Counter[tuple[int, ...]] = Counter()
+    limit = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+
+        async def one(seed: int) -> None:
+            body = {
+                "model": "asymspec", "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 1.0,
+                "top_k": top_k, "seed": seed, "ignore_eos": True, "return_token_ids": True,
+            }  # fmt: skip
+            async with limit:
+                response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            counts[tuple(response.json()["choices"][0]["token_ids"][:3])] += 1
+
+        await asyncio.gather(*(one(seed) for seed in range(n)))
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["asymspec", "no-topk", "full-upload", "target-only"])
+def test_first_three_tokens_follow_the_target(
+    edges: dict[str, Service], pair: tuple[Path, Path], mode: str
+) -> None:
+    n, top_k = 2000, 4  # top-k keeps the joint to 4^3 = 64 cells
+    joint = exact_joint(pair[0], SamplingParams(temperature=1.0, top_k=top_k), 3)
+    counts = asyncio.run(sample_first_tokens(edges[mode], n, top_k))
+    assert sum(counts.values()) == n and set(counts) <= set(joint)
+    cells = sorted(joint)
+    expected = np.array([joint[c] for c in cells]) * n
+    observed = np.array([counts.get(c, 0) for c in cells])
+    keep = expected >= 5
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 0.001
+
+
+# ---------------------------------------------------------------- load, usage, metrics
+
+
+def metric_value(edge: Service, name: str) -> float:
+    text = httpx.get(f"{edge.url}/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_concurrent_streams_report_correct_usage_and_metrics(edges: dict[str, Service]) -> None:
+    edge = edges["asymspec"]
+    before = metric_value(edge, "asymspec_generation_tokens_total")
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {
+            "model": "asymspec", "prompt": f"item {i}:", "max_tokens": 16 + i % 8,
+            "temperature": 0.8, "seed": i, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        pieces, usage = 0, None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                usage = chunk.get("usage") or usage
+                pieces += len(chunk["choices"])
+        assert usage is not None and pieces > 0
+        assert usage["completion_tokens"] <= body["max_tokens"]  # type: ignore[operator]
+        return usage["completion_tokens"], usage["prompt_tokens"]
+
+    async def run() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    generated = sum(c for c, _ in results)
+    assert metric_value(edge, "asymspec_generation_tokens_total") - before == generated
+    drafts = metric_value(edge, "asymspec_spec_decode_num_drafts_total")
+    accepted = metric_value(edge, "asymspec_spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 <= accepted <= metric_value(
+        edge, "asymspec_spec_decode_num_draft_tokens_total"
+    )
+
+
+def test_official_openai_client(edges: dict[str, Service]) -> None:
+    client = OpenAI(base_url=f"{edges['asymspec'].url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data]
+    stream = client.chat.completions.create(
+        model="asymspec",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    completion = client.completions.create(
+        model="asymspec", prompt="def add(a, b):", max_tokens=10, temperature=0
+    )
+    assert completion.usage is not None and completion.choices[0].text is not None
+    assert isinstance(text, str)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "max_tokens": -1},
+        {"prompt": "x", "max_tokens": "many"},
+        {"prompt": "x", "temperature": -0.5},
+        {"prompt": ""},
+        {"prompt": "word " * 600, "max_tokens": 8},  # over max_model_len = 512
+        {"prompt": "x", "n": 2},
+    ],
+)
+def test_bad_input_gets_openai_400_and_service_survives(
+    edges: dict[str, Service], body: dict
+) -> None:
+    edge = edges["asymspec"]
+    response = httpx.post(f"{edge.url}/v1/completions", json={"model": "asymspec", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert complete(edge, prompt="ok", max_tokens=2)["choices"]
+
+
+def test_bad_chat_input(edges: dict[str, Service]) -> None:
+    url = f"{edges['asymspec'].url}/v1/chat/completions"
+    for body in ({"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}):
+        response = httpx.post(url, json={"model": "asymspec", **body})
+        assert response.status_code == 400 and "error" in response.json()
+
+
+def test_all_modes_serve(edges: dict[str, Service]) -> None:
+    for mode, edge in edges.items():
+        assert (
+            complete(edge, prompt="abc", max_tokens=4, temperature=0.7, seed=1)["usage"][
+                "completion_tokens"
+            ]
+            > 0
+        ), mode
