@@ -165,6 +165,7 @@ class _RequestState:
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
         self.cached = len(request.prompt_ids) - 1  # tokens in the draft's cache
+        self.next_draft: Draft | None = None  # a runahead block that turned out valid
 
     def uniform(self) -> float:
         return draw_uniform(self.generator)
@@ -195,41 +196,66 @@ class _RequestState:
                 return await self._block(gamma)
         return await self._block(gamma)
 
-    async def _block(self, gamma: int) -> list[int]:
-        engine, metrics = self.engine, self.engine.metrics
-        full_upload = engine.mode.uplink == "full"
-        draft = await engine.scheduler.propose(
+    async def _draft(self, gamma: int, pending: list[int]) -> Draft:
+        return await self.engine.scheduler.propose(
             DraftRequest(
                 session_id=self.key,
-                pending_tokens=self.confirmed[self.cached :],
+                pending_tokens=pending,
                 num_draft_tokens=gamma,
                 params=self.request.params,
                 generator=self.generator,
-                quantize_half=full_upload,
+                quantize_half=self.engine.mode.uplink == "full",
             )
         )
-        self.cached = len(self.confirmed) + gamma - 1  # pending + x_1 .. x_{γ-1} were fed
+
+    async def _block(self, gamma: int) -> list[int]:
+        engine, metrics = self.engine, self.engine.metrics
+        draft, self.next_draft = self.next_draft, None
+        if draft is None:
+            draft = await self._draft(gamma, self.confirmed[self.cached :])
+            self.cached = len(self.confirmed) + len(draft.tokens) - 1  # pending + x_<γ fed
+        gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
         tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
         msg: VerifyBlock | VerifyBlockFull
-        if full_upload:
-            assert draft.half_rows is not None
+        if draft.half_rows is not None:
             msg = VerifyBlockFull(block.id, draft.tokens, draft.half_rows, tail)
         else:
             msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
         sent_s = time.perf_counter()
-        result = await engine.channel.verify(msg)
+        verdict = asyncio.ensure_future(engine.channel.verify(msg))
+        runahead = self._runahead(draft) if engine.mode.scheduling == "runahead" else None
+        result = await verdict
         metrics.verify_round_trip.observe(time.perf_counter() - sent_s)
         new_token = await self._resolve(block, result)
         n = result.n_accepted
         accepted = [int(t) for t in draft.tokens[:n]]
         base_len = len(self.confirmed)
         self.confirmed += [*accepted, new_token]
-        self.cached = min(self.cached, base_len + n)
-        await engine.scheduler.rollback(self.key, self.cached)
+        if runahead is not None:
+            await self._adopt_runahead(await runahead, n == gamma, new_token)
+        if self.next_draft is None:
+            self.cached = min(self.cached, base_len + n)
+            await engine.scheduler.rollback(self.key, self.cached)
         engine.metrics.record_block(gamma, n)
         return [*accepted, new_token]
+
+    def _runahead(self, draft: Draft) -> asyncio.Future[Draft]:
+        """Runahead modes (an ablation, PipeInfer-style): while the block is out, draft the
+        next one from the *unconfirmed* prefix, guessing all γ accepted and the bonus token
+        being the draft's own next token (the runahead's first token)."""
+        gamma = len(draft.tokens)
+        return asyncio.ensure_future(self._draft(gamma + 1, [int(draft.tokens[-1])]))
+
+    async def _adopt_runahead(self, runahead: Draft, all_accepted: bool, new_token: int) -> None:
+        """Keep the runahead block if the guess held; otherwise its drafting was wasted."""
+        self.cached += len(runahead.tokens)  # x_γ and the runahead tokens but its last
+        if all_accepted and new_token == int(runahead.tokens[0]):
+            # Its later tokens were drafted from exactly the confirmed prefix.
+            self.next_draft = _drop_first(runahead)
+        else:
+            self.engine.metrics.wasted_draft_tokens.inc(len(runahead.tokens))
 
     async def _resolve(self, block: _Block, result: VerifyResult) -> int:
         """The token after the accepted prefix: bonus, cloud-recovered or recovered here."""
@@ -264,6 +290,11 @@ class _RequestState:
             m.correction_topk_k.observe(outcome.size)
         if outcome.eps:
             m.fidelity_spent.inc(outcome.eps)
+
+
+def _drop_first(draft: Draft) -> Draft:
+    half = None if draft.half_rows is None else draft.half_rows[1:]
+    return Draft(draft.tokens[1:], draft.probs[1:], draft.rows[1:], half)
 
 
 def _apply(correction: Correction, payload: Payload) -> Recovered | Rung:

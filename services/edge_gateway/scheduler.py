@@ -10,6 +10,8 @@ Scheduling policies (DESIGN.md §4):
 - pipeline: draft whatever is ready, as soon as it is ready;
 - sync: synchronous rounds, drafting only once every active request has asked, so no
   request starts block k+1 before all finished block k;
+- runahead: sync rounds, plus each request drafts its next block from its unconfirmed
+  prefix while its block is out (the request loop asks; wasted drafts are counted);
 - stop-and-wait: one request at a time, one block at a time (the caller holds `exclusive`).
 
 Every draft-model call (open, propose, rollback, close) runs on the actor's one worker
@@ -88,7 +90,7 @@ class DraftScheduler:
     def _batch_ready(self) -> bool:
         if not self._ready:
             return False
-        if self.scheduling == "sync":
+        if self.scheduling in ("sync", "runahead"):
             return len(self._ready) >= min(self._active, self.max_batch)
         return True
 

@@ -30,16 +30,10 @@ from tests.backends.conftest import full_logits
 from tests.services.processes import Service, cloud_env, edge_env, free_port, running
 from tests.services.tiny_models import save_tiny_pair
 
-MODES = (
-    "asymspec",
-    "target-only",
-    "draft-only",
-    "no-topk",
-    "full-upload",
-    "standard",
-    "no-pipeline",
-)
-SPECULATIVE = ("asymspec", "no-topk", "full-upload", "standard", "no-pipeline")
+SPECULATIVE = (
+    "asymspec", "no-topk", "full-upload", "standard", "no-pipeline", "runahead", "pipeinfer",
+)  # fmt: skip
+MODES = ("target-only", "draft-only", *SPECULATIVE)
 PROMPT_IDS = [40, 41, 42, 43, 44, 45]
 
 
@@ -154,7 +148,7 @@ async def sample_first_tokens(edge: Service, n: int, top_k: int) -> Counter[tupl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["asymspec", "no-topk", "full-upload", "target-only"])
+@pytest.mark.parametrize("mode", ["asymspec", "no-topk", "full-upload", "runahead", "target-only"])
 def test_first_three_tokens_follow_the_target(
     edges: dict[str, Service], pair: tuple[Path, Path], mode: str
 ) -> None:
