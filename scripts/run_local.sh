@@ -7,6 +7,11 @@ PY=.venv/bin/python
 export ASYMSPEC_CLOUD_PORT="${ASYMSPEC_CLOUD_PORT:-8001}" ASYMSPEC_EDGE_PORT="${ASYMSPEC_EDGE_PORT:-8000}"
 export ASYMSPEC_EDGE_CLOUD_URL="${ASYMSPEC_EDGE_CLOUD_URL:-ws://127.0.0.1:${ASYMSPEC_CLOUD_PORT}/v1/channel}"
 
+# The edge<->cloud secret is required; a local run makes one up unless you set it.
+secret="${ASYMSPEC_SHARED_SECRET:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
+export ASYMSPEC_CLOUD_SHARED_SECRET="${ASYMSPEC_CLOUD_SHARED_SECRET:-$secret}"
+export ASYMSPEC_EDGE_SHARED_SECRET="${ASYMSPEC_EDGE_SHARED_SECRET:-$secret}"
+
 pids=()
 stop() { trap - INT TERM EXIT; kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap stop INT TERM EXIT

@@ -8,6 +8,7 @@ until it is ready (as vLLM and TGI do) instead of the port staying closed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
@@ -111,6 +112,17 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
             "owned_by": "asymspec",
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/sessions")
+    async def sessions(authorization: str = Header("")) -> JSONResponse:
+        """Control route: open sessions per connected edge (needs the shared secret)."""
+        if not hmac.compare_digest(
+            authorization.encode(), f"Bearer {settings.shared_secret}".encode()
+        ):
+            state.metrics.channel_auth_failures.inc()
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        edges = [] if state.channel is None else state.channel.describe()
+        return JSONResponse({"sessions": sum(e["sessions"] for e in edges), "edges": edges})
 
     @app.websocket("/v1/channel")
     async def channel(ws: WebSocket) -> None:

@@ -103,6 +103,9 @@ class ChannelServer:
     def session_count(self) -> int:
         return sum(len(c.sessions) for c in self.connections)
 
+    def describe(self) -> list[dict[str, int]]:
+        return [{"connection": c.id, "sessions": len(c.sessions)} for c in self.connections]
+
     async def serve(self, ws: WebSocket) -> None:
         await ws.accept()
         conn = _Connection(ws, self)

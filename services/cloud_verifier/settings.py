@@ -24,7 +24,8 @@ class CloudSettings(BaseSettings):
         1.0, ge=0, description="How long the batcher waits for more blocks after the first one."
     )
     shared_secret: str = Field(
-        "", description="Edge<->cloud secret checked on the channel handshake; empty = open."
+        min_length=8,
+        description="Edge<->cloud secret checked on the channel and control routes (required).",
     )
     max_sessions_per_edge: int = Field(1024, ge=1, description="Open sessions one edge may hold.")
     max_frame_bytes: int = Field(8 * 1024 * 1024, description="Largest accepted channel frame.")

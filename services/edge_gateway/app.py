@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from asymspec.backends.draft import DraftModel
 from asymspec.backends.engine import CachedLM
 from asymspec.backends.loading import load_causal_lm
+from edge_gateway.admission import Admission
 from edge_gateway.channel import CloudChannel
 from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
@@ -116,6 +117,13 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         build_router(lambda: state.engine, lambda: state.tokenizer, api_settings, metrics)
     )
     app.include_router(metrics_router(registry))
+    app.add_middleware(
+        Admission,
+        api_keys=settings.api_keys,
+        max_concurrent=settings.max_concurrent_requests,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+    )
 
     @app.get("/health")
     async def health() -> JSONResponse:

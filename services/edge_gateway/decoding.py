@@ -29,6 +29,7 @@ from asymspec.wire import (
     CloseSession,
     CorrectionKind,
     CorrectionRequest,
+    ErrorCode,
     FullRow,
     GenerateRequest,
     OpenSession,
@@ -101,30 +102,30 @@ class SpeculativeEngine:
     def ready(self) -> bool:
         return self.channel.connected
 
+    def open_message(
+        self, session_id: int, prompt: list[int], config: SamplingConfig
+    ) -> OpenSession:
+        first = self.ladder.rungs()[0]
+        tokens = np.asarray(prompt, dtype=np.uint32)
+        return OpenSession(session_id, tokens, config, _WIRE_KIND[first.kind], first.size)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         seed = _seed(request)
         config = _config(request, seed)
         session_id = _new_session_id()
         key = str(session_id)
-        first = self.ladder.rungs()[0]
         try:
             await self.channel.wait_connected(self.settings.cloud_deadline_s)
             await asyncio.gather(
                 self.channel.open_session(
-                    OpenSession(
-                        session_id,
-                        np.asarray(request.prompt_ids, dtype=np.uint32),
-                        config,
-                        _WIRE_KIND[first.kind],
-                        first.size,
-                    )
+                    self.open_message(session_id, request.prompt_ids, config)
                 ),
                 self.scheduler.open(key, request.prompt_ids),
             )
         except (ChannelDown, CloudError) as exc:
             await self._close(session_id, opened_draft=key)
             raise _cloud_failure(exc) from exc
-        state = _RequestState(self, request, session_id, seed, config_digest(config))
+        state = _RequestState(self, request, session_id, seed, config)
         try:
             async for tokens in state.run():
                 yield tokens
@@ -149,10 +150,10 @@ class _RequestState:
         request: GenerationRequest,
         session_id: int,
         seed: int,
-        digest: int,
+        config: SamplingConfig,
     ) -> None:
-        self.engine, self.request = engine, request
-        self.session_id, self.key, self.digest = session_id, str(session_id), digest
+        self.engine, self.request, self.config = engine, request, config
+        self.session_id, self.key, self.digest = session_id, str(session_id), config_digest(config)
         self.confirmed: list[int] = list(request.prompt_ids)
         self.tail: list[int] = []  # a recovered token the cloud does not know yet
         self.seq = 0
@@ -180,7 +181,18 @@ class _RequestState:
     async def _blocks(self) -> AsyncIterator[list[int]]:
         limit = self.request.max_new_tokens
         while self.produced < limit:
-            new_tokens = await self._one_block(max(1, min(self.gamma, limit - self.produced - 1)))
+            try:
+                new_tokens = await self._one_block(
+                    max(1, min(self.gamma, limit - self.produced - 1))
+                )
+            except ChannelDown:
+                await self._reopen()
+                continue
+            except CloudError as exc:
+                if exc.code != ErrorCode.UNKNOWN_SESSION:
+                    raise
+                await self._reopen()  # the cloud restarted between two of our frames
+                continue
             out = new_tokens[: limit - self.produced]
             stop_at = next((i for i, t in enumerate(out) if t in self.request.stop_token_ids), None)
             if stop_at is not None:
@@ -189,6 +201,18 @@ class _RequestState:
             yield out
             if stop_at is not None:
                 return
+
+    async def _reopen(self) -> None:
+        """The cloud went away mid-request: once it is back (within the deadline), open the
+        session again from the confirmed prefix and carry on; the open block is dropped."""
+        engine = self.engine
+        await engine.channel.wait_connected(engine.settings.cloud_deadline_s)
+        self.seq, self.tail, self.next_draft = 0, [], None
+        self.cached = min(self.cached, len(self.confirmed) - 1)  # the cache lags by >= 1
+        await engine.scheduler.rollback(self.key, self.cached)
+        message = engine.open_message(self.session_id, self.confirmed, self.config)
+        await engine.channel.open_session(message)
+        engine.metrics.session_reopens.inc()
 
     async def _one_block(self, gamma: int) -> list[int]:
         if self.engine.mode.scheduling == "stop-and-wait":
@@ -226,7 +250,12 @@ class _RequestState:
         sent_s = time.perf_counter()
         verdict = asyncio.ensure_future(engine.channel.verify(msg))
         runahead = self._runahead(draft) if engine.mode.scheduling == "runahead" else None
-        result = await verdict
+        try:
+            result = await verdict
+        except BaseException:
+            if runahead is not None:  # keep the draft cache's length known for the rollback
+                self.cached += len((await runahead).tokens)
+            raise
         metrics.verify_round_trip.observe(time.perf_counter() - sent_s)
         new_token = await self._resolve(block, result)
         n = result.n_accepted

@@ -93,6 +93,8 @@ class EdgeMetrics:
     | edge_idle | asymspec_edge_idle_seconds_total | s | engine |
     | wasted_draft_tokens | asymspec_wasted_draft_tokens_total | tokens (runahead) | engine |
     | cloud_connected | asymspec_cloud_connected | 0/1 | channel |
+    | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
+    | requests_rejected | asymspec_request_rejected_total | reason=auth/overload | app |
     """
 
     registry: CollectorRegistry
@@ -125,6 +127,8 @@ class EdgeMetrics:
     edge_idle: Counter
     wasted_draft_tokens: Counter
     cloud_connected: Gauge
+    session_reopens: Counter
+    requests_rejected: Family[Counter]
 
     @classmethod
     def create(
@@ -253,7 +257,17 @@ class EdgeMetrics:
             cloud_connected=f.gauge(
                 "asymspec_cloud_connected", "1 while the channel to the cloud is up, else 0."
             ),
+            session_reopens=f.counter(
+                "asymspec_cloud_session_reopens_total",
+                "Sessions re-opened from their confirmed prefix after the cloud came back.",
+            ),
+            requests_rejected=f.counter_family(
+                "asymspec_request_rejected_total",
+                "Requests refused before generation (bad API key, too many at once).",
+                "reason",
+            ),
         )
+        metrics.requests_rejected.preset("reason", ("auth", "overload"))
         metrics.request_success.preset("finished_reason", FINISHED_REASONS)
         metrics.request_failure.preset("reason", FAILURE_REASONS)
         metrics.corrections.preset("kind", CORRECTION_KINDS)

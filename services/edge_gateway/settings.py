@@ -30,7 +30,13 @@ class EdgeSettings(BaseSettings):
     cloud_url: str = Field(
         "ws://127.0.0.1:8001/v1/channel", description="The cloud verifier's channel URL."
     )
-    shared_secret: str = Field("", description="Edge<->cloud secret sent in the handshake.")
+    shared_secret: str = Field(
+        min_length=8, description="Edge<->cloud secret sent in the channel handshake (required)."
+    )
+    api_keys: Annotated[frozenset[str], NoDecode] = Field(
+        frozenset(), description="Accepted API keys (comma-separated); empty = no auth."
+    )
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body.")
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
     device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
@@ -55,9 +61,16 @@ class EdgeSettings(BaseSettings):
 
     @field_validator("topk_steps", mode="before")
     @classmethod
-    def _split(cls, value: object) -> object:
+    def _split_ints(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(int(v) for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return frozenset(v.strip() for v in value.split(",") if v.strip())
         return value
 
     @field_validator("mode")

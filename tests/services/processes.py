@@ -68,8 +68,12 @@ class Service:
         self.proc.wait()
 
 
+SHARED_SECRET = "test-shared-secret"
+
+
 def cloud_env(target: Path, port: int, **extra: str) -> dict[str, str]:
     return {
+        "ASYMSPEC_CLOUD_SHARED_SECRET": SHARED_SECRET,
         "ASYMSPEC_CLOUD_TARGET_MODEL": str(target),
         "ASYMSPEC_CLOUD_PORT": str(port),
         "ASYMSPEC_CLOUD_TORCH_THREADS": "1",
@@ -79,6 +83,7 @@ def cloud_env(target: Path, port: int, **extra: str) -> dict[str, str]:
 
 def edge_env(draft: Path, port: int, cloud_port: int, mode: str, **extra: str) -> dict[str, str]:
     return {
+        "ASYMSPEC_EDGE_SHARED_SECRET": SHARED_SECRET,
         "ASYMSPEC_MODE": mode,
         "ASYMSPEC_EDGE_DRAFT_MODEL": str(draft),
         "ASYMSPEC_EDGE_PORT": str(port),

@@ -49,7 +49,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def cloud(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     port = free_port()
-    env = cloud_env(pair[0], port, shared_secret="s3cret", max_wait_ms="5")
+    env = cloud_env(pair[0], port, shared_secret="s3cret-s3cret", max_wait_ms="5")
     with running("cloud_verifier", port, env, tmp_path_factory.mktemp("logs")) as service:
         yield service
 
@@ -67,7 +67,7 @@ def greedy_chain(pair: tuple[Path, Path]) -> list[int]:
 def with_channel(
     cloud: Service,
     body: Callable[[CloudChannel], Awaitable[Any]],
-    secret: str = "s3cret",
+    secret: str = "s3cret-s3cret",
     connect_timeout_s: float = 10,
 ) -> Any:
     async def run() -> Any:

@@ -1,0 +1,65 @@
+"""Admission limits through a real edge process: API keys, body size, concurrency (429)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.services.processes import Service, edge_env, free_port, running
+from tests.services.tiny_models import save_tiny_pair
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    _, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    port = free_port()
+    env = edge_env(
+        draft, port, free_port(), "draft-only",
+        api_keys=f"other-key,{KEY}", max_concurrent_requests="2", max_body_bytes="4096",
+    )  # fmt: skip
+    with running("edge_gateway", port, env, tmp_path_factory.mktemp("logs")) as service:
+        yield service
+
+
+def post(edge: Service, body: dict, key: str | None = KEY, **kw: object) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{edge.url}/v1/completions", json=body, headers=headers, timeout=60, **kw)
+
+
+def test_api_key_required_and_checked(edge: Service) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    assert post(edge, body, key=None).status_code == 401
+    wrong = post(edge, body, key="sk-wrong")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert post(edge, body).status_code == 200
+    assert httpx.get(f"{edge.url}/health").status_code == 200  # probes need no key
+    assert "asymspec_request_rejected_total" in httpx.get(f"{edge.url}/metrics").text
+
+
+def test_oversized_body_is_413_with_an_openai_body(edge: Service) -> None:
+    response = post(edge, {"model": "m", "prompt": "x" * 10_000, "max_tokens": 2})
+    assert response.status_code == 413 and "error" in response.json()
+
+
+def test_over_the_concurrency_limit_gets_429_with_retry_after(edge: Service) -> None:
+    body = {"model": "m", "prompt": "count:", "max_tokens": 300, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=60) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(8))
+            )
+
+    responses = asyncio.run(run())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 2 and 429 in statuses
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1"
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    assert post(edge, {"model": "m", "prompt": "again", "max_tokens": 2}).status_code == 200
