@@ -268,7 +268,18 @@ class _RequestState:
             self.cached = min(self.cached, base_len + n)
             await engine.scheduler.rollback(self.key, self.cached)
         engine.metrics.record_block(gamma, n)
+        self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
+
+    def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
+        """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):
+        the schedule of HF transformers' assisted generation — two more after a fully
+        accepted block, one fewer after a rejection — within [1, max_num_draft_tokens]."""
+        settings = self.engine.settings
+        if not settings.adaptive_draft_tokens or self.request.num_draft_tokens:
+            return  # fixed γ, or the client pinned it for this request
+        step = 2 if n_accepted == gamma else -1
+        self.gamma = max(1, min(settings.max_num_draft_tokens, self.gamma + step))
 
     def _runahead(self, draft: Draft) -> asyncio.Future[Draft]:
         """Runahead modes (an ablation, PipeInfer-style): while the block is out, draft the

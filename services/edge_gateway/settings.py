@@ -42,6 +42,10 @@ class EdgeSettings(BaseSettings):
     device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default.")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="Default γ per block.")
+    adaptive_draft_tokens: bool = Field(
+        False, description="Adapt γ per request from its observed acceptance (SPADE-style)."
+    )
+    max_num_draft_tokens: int = Field(8, ge=1, le=16, description="Upper bound of adaptive γ.")
     fidelity_budget: float = Field(
         0.0, ge=0.0, le=1.0, description="Default ε_req per request; 0 = every correction exact."
     )

@@ -33,7 +33,11 @@ from tests.services.tiny_models import save_tiny_pair
 SPECULATIVE = (
     "asymspec", "no-topk", "full-upload", "standard", "no-pipeline", "runahead", "pipeinfer",
 )  # fmt: skip
-MODES = ("target-only", "draft-only", *SPECULATIVE)
+# Edge variants by name: (mode, extra edge settings).
+VARIANTS = {
+    **{mode: (mode, {}) for mode in ("target-only", "draft-only", *SPECULATIVE)},
+    "asymspec-adaptive": ("asymspec", {"adaptive_draft_tokens": "true"}),
+}
 PROMPT_IDS = [40, 41, 42, 43, 44, 45]
 
 
@@ -53,10 +57,10 @@ def edges(
             running("cloud_verifier", cloud_port, cloud_env(pair[0], cloud_port), logs)
         )
         services = {}
-        for mode in MODES:
+        for name, (mode, extra) in VARIANTS.items():
             port = free_port()
-            env = edge_env(pair[1], port, cloud_port, mode, max_model_len="512")
-            services[mode] = stack.enter_context(running("edge_gateway", port, env, logs))
+            env = edge_env(pair[1], port, cloud_port, mode, max_model_len="512", **extra)
+            services[name] = stack.enter_context(running("edge_gateway", port, env, logs))
         yield services
 
 
@@ -89,7 +93,7 @@ def stream_chat(edge: Service, **body: object) -> tuple[str, dict | None, str | 
 # ---------------------------------------------------------------- greedy equivalence
 
 
-@pytest.mark.parametrize("mode", SPECULATIVE)
+@pytest.mark.parametrize("mode", [*SPECULATIVE, "asymspec-adaptive"])
 def test_greedy_completions_match_target_only(edges: dict[str, Service], mode: str) -> None:
     for prompt in ("def add(a, b):", "The quick brown", PROMPT_IDS):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
