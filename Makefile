@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install models run test test-fast lint bench sizes clean
+.PHONY: install models run test test-fast lint bench sizes dashboard load clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,13 @@ lint: $(STAMP)
 
 sizes: $(STAMP)
 	$(BIN)/python -m asymspec.wire
+
+dashboard: $(STAMP)  # refresh loadtest/results/dashboard from a real run
+	scripts/ensure_prometheus.sh
+	ASYMSPEC_DASHBOARD_OUT=$(CURDIR)/loadtest/results/dashboard $(BIN)/python -m pytest -q tests/observability/test_dashboards.py -k every_panel
+
+load: $(STAMP)  # Locust against a running edge (make run / docker compose up)
+	$(BIN)/locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 60s --csv loadtest/results/local/raw/run --html loadtest/results/local/raw/run.html --host http://127.0.0.1:8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
