@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install models run test test-fast lint bench sizes dashboard load clean
+.PHONY: install models run test test-fast lint bench sizes dashboard load soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,9 @@ dashboard: $(STAMP)  # refresh loadtest/results/dashboard from a real run
 
 load: $(STAMP)  # Locust against a running edge (make run / docker compose up)
 	$(BIN)/locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 60s --csv loadtest/results/local/raw/run --html loadtest/results/local/raw/run.html --host http://127.0.0.1:8000
+
+soak: install  # 10 minutes of Locust at 16 users over the Weak testbed (root)
+	$(BIN)/python -m loadtest.soak --minutes 10 --users 16 --profile weak --out loadtest/results/soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

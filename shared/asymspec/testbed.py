@@ -1,12 +1,12 @@
 """Local testbed: an edge and a cloud network namespace joined by a veth pair, shaped to a
-link profile by the sidecar's own code (netem.linkshaper). Root only; no Docker.
+link profile by the sidecar's own code (netem.linkshaper, installed with the project).
+Root only; no Docker.
 
     edge netns  10.77.0.1/30  wan0 ==veth== wan0  10.77.0.2/30  cloud netns
                 uplink shaped on edge egress      downlink shaped on cloud egress
 
 Names carry a random run id, so parallel runs do not clash (the addresses live only inside
-each run's namespaces). Run from the repository root: netem/ is a folder there, not an
-installed package.
+each run's namespaces).
 
     python -m asymspec.testbed check --profile weak --profile medium --profile strong
     python -m asymspec.testbed up --profile weak           # prints the run id and names
@@ -33,24 +33,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asymspec.links import LinkProfile, get_profile
-
-try:
-    from netem.linkshaper.ratecheck import (
-        DEFAULT_PORT,
-        PAYLOAD_FRACTION,
-        RateMeasurement,
-        measure_rate,
-    )
-    from netem.linkshaper.runner import SubprocessRunner, netns_prefix
-    from netem.linkshaper.shaper import Egress, LinkShaper, LinkState
-    from netem.linkshaper.tc import Argv, Direction
-except ModuleNotFoundError as exc:  # pragma: no cover - a usage error, not a code path
-    raise ModuleNotFoundError(
-        "asymspec.testbed shapes with the sidecar's code in netem/ at the repository root, "
-        "which is not an installed package: run from the repository root "
-        "(python -m ...) or put it on PYTHONPATH"
-    ) from exc
-
+from netem.linkshaper.ratecheck import (
+    DEFAULT_PORT,
+    PAYLOAD_FRACTION,
+    RateMeasurement,
+    measure_rate,
+)
+from netem.linkshaper.runner import SubprocessRunner, netns_prefix
+from netem.linkshaper.shaper import Egress, LinkShaper, LinkState
+from netem.linkshaper.tc import Argv, Direction
 
 Side = Literal["edge", "cloud"]
 RATE_TOLERANCE = 0.10
