@@ -309,8 +309,13 @@ class _RequestState:
                 self.engine.metrics.corrections.labels(kind="cloud").inc()
             return result.next_token
         assert result.correction is not None
+        params = self.request.params
         correction = Correction(
-            self.engine.ladder, block.draft.rows[result.n_accepted], self.budget, self.uniform
+            self.engine.ladder,
+            block.draft.rows[result.n_accepted],
+            self.budget,
+            self.uniform,
+            truncated_target=params.is_greedy or params.top_k > 0 or params.top_p < 1.0,
         )
         payload: Payload = result.correction
         while True:

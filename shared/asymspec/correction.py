@@ -86,6 +86,10 @@ class Correction:
     draft_row: Row  # [V] the retained q of the rejected position
     budget: FidelityBudget
     uniform: Callable[[], float]  # the request's source of u in [0, 1)
+    # Whether p can have an empty tail short of the whole vocabulary (top-k / top-p / greedy
+    # truncate it). If not, delta_p > 0 at every K < |V|, so no larger K can ever certify
+    # within a spent budget, and those rungs would only cost downlink round trips.
+    truncated_target: bool = True
     rung_index: int = 0
     proposals_seen: int = 0
     _rungs: tuple[Rung, ...] = field(init=False)
@@ -114,7 +118,15 @@ class Correction:
             self.budget.spend(cert.eps)
             token = sample_on_support(ids, probs, self._q(ids), self.uniform())
             return Recovered(token, "topk", len(ids), cert.eps)
+        if not self.truncated_target and self.budget.remaining <= 0 and delta_p > 0:
+            return self._skip_topk()
         return self._advance()
+
+    def _skip_topk(self) -> Rung:
+        """Jump past the remaining top-K rungs to the first exact one."""
+        while self._advance().kind == "topk":
+            pass
+        return self.rung
 
     def on_proposals(
         self, ids: npt.NDArray[np.integer], probs: npt.NDArray[np.floating]

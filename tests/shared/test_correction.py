@@ -147,3 +147,17 @@ def test_ledger_never_overspends(epsilon_req: float, attempts: list[float]) -> N
         if budget.fits(eps):
             budget.spend(eps)
         assert budget.spent <= epsilon_req
+
+
+def test_exhausted_budget_on_untruncated_target_skips_larger_k() -> None:
+    # Softmax over the whole vocabulary: delta_p > 0 at every K < |V|, so with no budget
+    # left the ladder goes straight to proposals instead of asking for K = 64, 512.
+    p = np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32)
+    q = np.array([0.5, 0.0, 0.5, 0.0], dtype=np.float32)
+    correction = Correction(
+        Ladder(topk_steps=(2, 64, 512)), q, FidelityBudget(0.0), _fixed(0.5),
+        truncated_target=False,
+    )  # fmt: skip
+    assert correction.on_topk(*_topk(p, 2)) == Rung("proposals", 8)
+    walking = Correction(Ladder(topk_steps=(2, 64, 512)), q, FidelityBudget(0.0), _fixed(0.5))
+    assert walking.on_topk(*_topk(p, 2)) == Rung("topk", 64)  # truncated: K may cover all
