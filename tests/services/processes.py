@@ -3,6 +3,7 @@ under uvicorn on loopback, configured through the environment like a user would.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -35,6 +36,12 @@ class Service:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        # A test that dies between start and stop must not leave a server behind.
+        atexit.register(self._reap)
+
+    def _reap(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
