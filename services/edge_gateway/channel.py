@@ -122,8 +122,7 @@ class CloudChannel:
             await ws.send(frame)
         except websockets.ConnectionClosed as exc:
             raise ChannelDown("the cloud connection closed") from exc
-        self.metrics.link_bytes.labels(direction="uplink").inc(len(frame))
-        self.metrics.link_frames.labels(direction="uplink").inc()
+        self._count("uplink", type(msg).__name__, len(frame))
 
     async def _request(self, key: Hashable, msg: Message) -> Any:
         if key in self._waiters:
@@ -175,12 +174,20 @@ class CloudChannel:
     async def _read(self, ws: ClientConnection) -> None:
         async for frame in ws:
             data = frame if isinstance(frame, bytes) else frame.encode()
-            self.metrics.link_bytes.labels(direction="downlink").inc(len(data))
-            self.metrics.link_frames.labels(direction="downlink").inc()
             try:
-                self._route(decode(data, self.max_frame_bytes))
+                msg = decode(data, self.max_frame_bytes)
             except WireError as exc:
+                self._count("downlink", "undecodable", len(data))
                 log.error("undecodable frame from the cloud: %s", exc)
+                continue
+            self._count("downlink", type(msg).__name__, len(data))
+            self._route(msg)
+
+    def _count(self, direction: str, message: str, n_bytes: int) -> None:
+        """Link bytes as the channel's frames carry them (WebSocket headers not included)."""
+        self.metrics.link_bytes.labels(direction=direction).inc(n_bytes)
+        self.metrics.link_frames.labels(direction=direction).inc()
+        self.metrics.link_message_bytes.labels(direction=direction, message=message).inc(n_bytes)
 
     def _route(self, msg: Message) -> None:
         if isinstance(msg, SessionOpened):

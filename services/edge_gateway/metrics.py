@@ -86,6 +86,7 @@ class EdgeMetrics:
     | fidelity_spent_per_request | asymspec_fidelity_budget_spent_per_request | ε | engine |
     | link_bytes | asymspec_link_bytes_total | bytes, direction | channel |
     | link_frames | asymspec_link_frames_total | frames, direction | channel |
+    | link_message_bytes | asymspec_link_message_bytes_total | bytes, direction, message | channel |
     | verify_round_trip | asymspec_verify_round_trip_seconds | s | engine |
     | draft_forward | asymspec_draft_forward_seconds | s | engine |
     | draft_batch_size | asymspec_draft_batch_size | requests | engine |
@@ -120,6 +121,7 @@ class EdgeMetrics:
     fidelity_spent_per_request: Histogram
     link_bytes: Family[Counter]
     link_frames: Family[Counter]
+    link_message_bytes: Family[Counter]
     verify_round_trip: Histogram
     draft_forward: Histogram
     draft_batch_size: Histogram
@@ -227,6 +229,11 @@ class EdgeMetrics:
             ),
             link_frames=f.counter_family(
                 "asymspec_link_frames_total", "Channel frames as seen by the edge.", "direction"
+            ),
+            link_message_bytes=f.counter_family2(
+                "asymspec_link_message_bytes_total",
+                "Channel bytes by direction and message type (e.g. VerifyBlock vs OpenSession).",
+                ("direction", "message"),
             ),
             verify_round_trip=f.histogram(
                 "asymspec_verify_round_trip_seconds",

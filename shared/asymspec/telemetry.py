@@ -89,7 +89,11 @@ class MetricFactory:
         return metric.labels(**self.fixed)
 
     def counter_family(self, name: str, doc: str, label: str) -> Family[Counter]:
-        parent = Counter(name, doc, [*self.fixed, label], registry=self.registry)
+        return self.counter_family2(name, doc, (label,))
+
+    def counter_family2(self, name: str, doc: str, labels: Sequence[str]) -> Family[Counter]:
+        """A counter with several per-event labels."""
+        parent = Counter(name, doc, [*self.fixed, *labels], registry=self.registry)
         return Family(parent, self.fixed)
 
 

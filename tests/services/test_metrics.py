@@ -48,6 +48,9 @@ EDGE_NAMES = {
     "asymspec_edge_idle_seconds",
     "asymspec_wasted_draft_tokens",
     "asymspec_cloud_connected",
+    "asymspec_link_message_bytes",
+    "asymspec_cloud_session_reopens",
+    "asymspec_request_rejected",
 }  # family names: prometheus_client strips a counter's _total (its samples keep it)
 CLOUD_NAMES = {
     "asymspec_verify_batch_size",
