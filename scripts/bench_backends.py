@@ -12,6 +12,10 @@ d. start-up: loading each model from the model cache
 e. reference decoder: greedy output vs target-only greedy on held-out prompts (identical?),
    mean accepted per block at T=0 and T=0.7 with γ=4, and acceptance per position
 
+On a machine whose cores other processes also use, pass ``--threads 1``: two OpenMP
+threads that wait on each other's time slices made forwards here 10x (tiny models) to 20x
+(the 135M target) slower. Run one section alone with e.g. ``--sections b``.
+
 Prompts are HumanEval's held-out split (``asymspec.prompts``), or ``--prompts-file``: a
 JSON-lines file whose lines are strings or objects with a "prompt" field.
 """
@@ -61,7 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for (e)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement")
+    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per measurement")
+    parser.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", type=Path, default=None)
@@ -281,26 +286,36 @@ def bench_generation(
 # ---------------------------------------------------------------- report
 
 
-def print_report(results: dict[str, Any]) -> None:
-    a, b, c, d, e = (results[k] for k in ("a", "b", "c", "d", "e"))
-    print(f"device {results['device']}, torch threads {results['threads']}")
+def print_batched_scoring(a: dict[str, Any]) -> None:
     print(
         f"(a) batched vs unbatched scoring, prefixes {a['prefix_lengths']}: max |Δlogit| "
         f"{a['max_abs_logit_diff']:.2e}, max |Δp| {a['max_abs_prob_diff']:.2e}, "
         f"same argmax: {a['same_argmax']}"
     )
+
+
+def print_verify_cost(b: dict[str, Any]) -> None:
     print(
         f"(b) verify γ={b['gamma']}: {b['prefix_100_ms']:.1f} ms at 100, "
         f"{b['prefix_1000_ms']:.1f} ms at 1000 tokens, ratio {b['ratio']:.2f} "
         f"(bar <= {VERIFY_COST_BAR}: {'ok' if b['within_bar'] else 'MISSED'})"
     )
+
+
+def print_decode_step(c: dict[str, Any]) -> None:
     for name, row in c.items():
         print(
             f"(c) decode step {name}: draft {row['draft_ms']:.1f} ms, target "
             f"{row['target_ms']:.1f} ms, ratio {row['ratio']:.2f} "
             f"(wanted <= {DECODE_RATIO_WANTED}: {'ok' if row['meets_wanted'] else 'not met'})"
         )
+
+
+def print_load(d: dict[str, float]) -> None:
     print(f"(d) load from cache: target {d['target']:.2f} s, draft {d['draft']:.2f} s")
+
+
+def print_generation(e: dict[str, Any]) -> None:
     print(
         f"(e) greedy identical to target-only: {e['greedy_identical']}/{e['prompts']} prompts "
         f"x {e['max_new_tokens']} tokens; γ={e['gamma']}"
@@ -319,23 +334,44 @@ def print_report(results: dict[str, Any]) -> None:
     )
 
 
+def print_report(results: dict[str, Any]) -> None:
+    print(f"device {results['device']}, torch threads {results['threads']}")
+    printers: dict[str, Callable[[Any], None]] = {
+        "a": print_batched_scoring,
+        "b": print_verify_cost,
+        "c": print_decode_step,
+        "d": print_load,
+        "e": print_generation,
+    }
+    for name, print_section in printers.items():
+        if name in results:
+            print_section(results[name])
+
+
+def run_sections(args: argparse.Namespace, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
+    context = long_context(prompts, 1000 + args.num_draft_tokens + 1)
+    sections: dict[str, Callable[[], Any]] = {
+        "a": lambda: bench_batched_scoring(pair, context, args.num_draft_tokens),
+        "b": lambda: bench_verify_cost(pair, context, args.num_draft_tokens, args.repeats),
+        "c": lambda: bench_decode_step(pair, prompts, args.repeats),
+        "d": lambda: pair.load_s,
+        "e": lambda: bench_generation(pair, prompts[: args.prompts], args),
+    }
+    return {name: run() for name, run in sections.items() if name in args.sections}
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     pair = load_pair(args)
     prompts = load_prompts(args, pair.tokenizer)
-    context = long_context(prompts, 1000 + args.num_draft_tokens + 1)
     results: dict[str, Any] = {
         "target": args.target,
         "draft": args.draft,
         "device": str(pair.target.device),
         "threads": torch.get_num_threads(),
-        "a": bench_batched_scoring(pair, context, args.num_draft_tokens),
-        "b": bench_verify_cost(pair, context, args.num_draft_tokens, args.repeats),
-        "c": bench_decode_step(pair, prompts, args.repeats),
-        "d": pair.load_s,
-        "e": bench_generation(pair, prompts[: args.prompts], args),
+        **run_sections(args, pair, prompts),
     }
     print_report(results)
     if args.json_out is not None:

@@ -97,8 +97,10 @@ def test_bars_report_each_measurement() -> None:
     change = verdicts["asymspec throughput change strong -> weak"]
     assert change["value"] == pytest.approx(60 / 66 - 1) and change["met"] is True
     assert verdicts["asymspec uplink bytes per token (worst profile)"]["met"] is False
-    saved = verdicts["asymspec target forwards saved vs target-only (worst profile)"]
+    saved = verdicts["asymspec batched target forwards saved vs target-only (worst profile)"]
     assert saved["value"] == pytest.approx(0.7) and saved["met"] is True
+    calls = verdicts["asymspec per-request target calls per token (worst profile)"]
+    assert calls["met"] is None  # the rows lack target_sequence_calls_per_token
     assert verdicts["testbed rate / profile rate (worst direction)"]["value"] == 0.952
     assert bars([], {})[0]["met"] is None  # nothing measured: no verdict
 

@@ -1,0 +1,149 @@
+"""The run: profiles × modes through one namespace testbed, with a progress bar.
+
+One testbed for the whole run, re-shaped per profile (``Testbed.switch``); each profile's
+rates are measured once (``Testbed.check``) before its cells, with no service running.
+Modes run in the configured order within a profile. Results are rewritten after every cell,
+so an interrupted run keeps what it measured. A failed cell becomes a row with ``error``
+and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from asymspec.links import get_profile
+from asymspec.testbed import Testbed, TestbedLayout, open_testbed
+from loadtest.bench.cell import CellFailed, CellPlan, run_cell
+from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
+from loadtest.bench.plots import write_plots
+from loadtest.bench.report import summarize_phase
+from loadtest.bench.tables import bars, check_rows, write_outputs
+from loadtest.bench.workload import measured_bodies, warmup_bodies
+
+HEALTH_TIMEOUT_S = 600.0  # two model loads on a contended CPU
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def driver_spec(config: BenchConfig) -> dict[str, Any]:
+    measured = measured_bodies(config.requests, config.sampling, config.seed)
+    return {
+        "health_timeout_s": HEALTH_TIMEOUT_S,
+        "warmup": warmup_bodies(config.warmup, config.sampling, config.seed),
+        "warmup_concurrency": max(1, min(config.warmup, config.concurrency)),
+        "phases": [{"name": "measured", "bodies": measured, "concurrency": config.concurrency}],
+    }
+
+
+class Run:
+    """One benchmark run's state: config, model pair, rates, rows, and where they go."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.out = config.out
+        self.logs = self.out / "logs"
+        self.raw = self.out / "raw"
+        self.rows: list[dict[str, Any]] = []
+        self.rates: dict[str, list[dict[str, Any]]] = {}
+        self.env = environment()
+
+    def results(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_json(),
+            "environment": self.env,
+            "testbed_rates": self.rates,
+            "rows": self.rows,
+            "bars": bars(self.rows, self.rates),
+        }
+
+    def save(self) -> None:
+        self.env["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        results = self.results()
+        check_rows(results["rows"])
+        write_outputs(self.out, results)
+
+    def execute(self) -> Path:
+        for folder in (self.logs, self.raw):
+            folder.mkdir(parents=True, exist_ok=True)
+        pair = prepare_pair(self.config.models, self.out)
+        cfg = self.config
+        cells = [(p, m) for p in cfg.profiles for m in cfg.modes]
+        spec = driver_spec(cfg)
+        with (
+            open_testbed(cfg.profiles[0], TestbedLayout.new(prefix="asymspec-bench")) as bed,
+            tqdm(total=len(cells) * cfg.requests, unit="req", dynamic_ncols=True) as bar,
+        ):
+            for profile in cfg.profiles:
+                self._shape(bed, profile, bar)
+                for mode in cfg.modes:
+                    bar.set_description(f"{profile}/{mode}")
+                    self.rows.append(self._cell(bed, pair, spec, profile, mode, bar))
+                    self.save()
+        write_plots(self.out, self.results())
+        return self.out
+
+    def _shape(self, bed: Testbed, profile: str, bar: tqdm) -> None:
+        state = bed.state
+        if state is None or state.profile.name != profile:
+            bed.switch(get_profile(profile))
+        bar.set_description(f"{profile}: rate check")
+        checks = bed.check(seconds=self.config.rate_check_s)
+        self.rates[profile] = [c.as_dict() for c in checks]
+        for c in checks:
+            if not c.ok:
+                bar.write(f"warning: {profile} {c.direction} measured {c.as_dict()}")
+
+    def _cell(
+        self,
+        bed: Testbed,
+        pair: ModelPair,
+        spec: dict[str, Any],
+        profile: str,
+        mode: str,
+        bar: tqdm,
+    ) -> dict[str, Any]:
+        name = f"{profile}-{mode}"
+        plan = CellPlan(mode, pair, spec, self.logs, name, self.config.cell_timeout_s)
+        done = bar.n
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("event") == "request" and event.get("phase") == "measured":
+                bar.update(1)
+                if not event.get("ok"):
+                    bar.write(f"{name}: request {event['index']} failed: {event['error']}")
+
+        started = time.monotonic()
+        try:
+            raw = run_cell(bed, plan, on_event)
+        except CellFailed as exc:
+            bar.write(f"{name}: FAILED: {str(exc)[:2000]}")
+            bar.update(self.config.requests - (bar.n - done))
+            return {"mode": mode, "profile": profile, "error": str(exc)[:4000]}
+        (self.raw / f"{name}.json").write_text(json.dumps(raw))
+        row = summarize_phase(
+            mode, get_profile(profile), raw["phases"][0], self.config.sampling.temperature
+        )
+        row["cell_s"] = time.monotonic() - started
+        bar.write(
+            f"{name}: {row['throughput_tok_s']:.1f} tok/s, "
+            f"up {row['uplink_bytes_per_token'] or 0:.1f} B/tok, "
+            f"accepted/block {row['mean_accepted_per_block'] or 0:.2f}, "
+            f"cell {row['cell_s']:.0f} s"
+        )
+        return row
