@@ -37,6 +37,9 @@ lint: $(STAMP)
 sizes: $(STAMP)
 	$(BIN)/python -m asymspec.wire
 
+bench: install  # every mode x Weak/Medium/Strong through the namespace testbed (root)
+	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+
 dashboard: $(STAMP)  # refresh loadtest/results/dashboard from a real run
 	scripts/ensure_prometheus.sh
 	ASYMSPEC_DASHBOARD_OUT=$(CURDIR)/loadtest/results/dashboard $(BIN)/python -m pytest -q tests/observability/test_dashboards.py -k every_panel
