@@ -259,9 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument("--verify", action="store_true", help="load-check a prepared pair")
+    parser.add_argument(
+        "--target-only",
+        action="store_true",
+        help="convert only the target (what scripts/distill_draft.py needs before a draft exists)",
+    )
     args = parser.parse_args(argv)
     try:
-        prepare(force=args.force, verify=args.verify)
+        if args.target_only:
+            prepare_target(force=args.force)
+        else:
+            prepare(force=args.force, verify=args.verify)
     except PrepareError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
