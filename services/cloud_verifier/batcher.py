@@ -87,7 +87,8 @@ class Batcher:
             jobs = await self._collect()
             started = time.perf_counter()
             for job in jobs:
-                self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
+                if job.kind == "verify":  # prefill, decode and close jobs queue too; not counted
+                    self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
             outcomes = await loop.run_in_executor(self._worker, self._execute, jobs)
             for job, (ok, value) in zip(jobs, outcomes, strict=True):
                 if job.future.done():

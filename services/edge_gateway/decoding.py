@@ -22,7 +22,7 @@ import torch
 
 from asymspec.backends.draft import Draft, DraftRequest
 from asymspec.backends.engine import draw_uniform
-from asymspec.correction import Correction, Ladder, Recovered, Rung
+from asymspec.correction import Correction, Ladder, Recovered, Rung, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
 from asymspec.wire import (
@@ -107,9 +107,10 @@ class SpeculativeEngine:
         return self.channel.connected
 
     def open_message(
-        self, session_id: int, prompt: list[int], config: SamplingConfig
+        self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
     ) -> OpenSession:
-        first = self.ladder.rungs()[0]
+        """``first_rung``: the ladder index whose answer a rejection's verdict carries."""
+        first = self.ladder.rungs()[first_rung]
         tokens = np.asarray(prompt, dtype=np.uint32)
         return OpenSession(session_id, tokens, config, _WIRE_KIND[first.kind], first.size)
 
@@ -118,18 +119,18 @@ class SpeculativeEngine:
         config = _config(request, seed)
         session_id = next(self.session_ids)
         key = str(session_id)
+        state = _RequestState(self, request, session_id, seed, config)
         try:
             await self.channel.wait_connected(self.settings.cloud_deadline_s)
             await asyncio.gather(
                 self.channel.open_session(
-                    self.open_message(session_id, request.prompt_ids, config)
+                    self.open_message(session_id, request.prompt_ids, config, state.first_rung)
                 ),
                 self.scheduler.open(key, request.prompt_ids),
             )
         except (ChannelDown, CloudError) as exc:
             await self._close(session_id, opened_draft=key)
             raise _cloud_failure(exc) from exc
-        state = _RequestState(self, request, session_id, seed, config)
         try:
             async for tokens in state.run():
                 yield tokens
@@ -165,6 +166,11 @@ class _RequestState:
             request.fidelity_budget
             if request.fidelity_budget is not None
             else engine.settings.fidelity_budget
+        )
+        params = request.params
+        self.truncated_target = params.is_greedy or params.top_k > 0 or params.top_p < 1.0
+        self.first_rung = engine.ladder.first_rung(
+            topk_hopeless(self.budget.remaining, self.truncated_target)
         )
         self.gamma = request.num_draft_tokens or engine.settings.num_draft_tokens
         self.generator = torch.Generator().manual_seed(seed % 2**63)
@@ -214,7 +220,7 @@ class _RequestState:
         self.seq, self.tail, self.next_draft = 0, [], None
         self.cached = min(self.cached, len(self.confirmed) - 1)  # the cache lags by >= 1
         await engine.scheduler.rollback(self.key, self.cached)
-        message = engine.open_message(self.session_id, self.confirmed, self.config)
+        message = engine.open_message(self.session_id, self.confirmed, self.config, self.first_rung)
         await engine.channel.open_session(message)
         engine.metrics.session_reopens.inc()
 
@@ -309,13 +315,13 @@ class _RequestState:
                 self.engine.metrics.corrections.labels(kind="cloud").inc()
             return result.next_token
         assert result.correction is not None
-        params = self.request.params
         correction = Correction(
             self.engine.ladder,
             block.draft.rows[result.n_accepted],
             self.budget,
             self.uniform,
-            truncated_target=params.is_greedy or params.top_k > 0 or params.top_p < 1.0,
+            truncated_target=self.truncated_target,
+            rung_index=self.first_rung,
         )
         payload: Payload = result.correction
         while True:

@@ -62,10 +62,22 @@ class Ladder:
         if self.num_proposals < 1 or self.proposal_rounds < 0:
             raise ValueError("num_proposals must be >= 1 and proposal_rounds >= 0")
 
+    def first_rung(self, topk_hopeless: bool) -> int:
+        """The index where a rejection's ladder starts: rung 0, or past every top-K rung when
+        none can certify (see `topk_hopeless`), which saves a downlink round trip each time."""
+        return len(self.topk_steps) if topk_hopeless and self.use_topk else 0
+
     def rungs(self) -> tuple[Rung, ...]:
         topk = [Rung("topk", k) for k in self.topk_steps] if self.use_topk else []
         proposals = [Rung("proposals", self.num_proposals)] * self.proposal_rounds
         return (*topk, *proposals, Rung("full", 0))
+
+
+def topk_hopeless(budget_remaining: float, truncated_target: bool) -> bool:
+    """No top-K can ever be used: a bounded draw spends eps_K > 0 whenever delta_p > 0, and
+    an untruncated target row (no top-k / top-p, temperature > 0) has delta_p > 0 at every
+    K < |V|. A budget only shrinks, so this holds for the rest of the request."""
+    return budget_remaining <= 0 and not truncated_target
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +130,7 @@ class Correction:
             self.budget.spend(cert.eps)
             token = sample_on_support(ids, probs, self._q(ids), self.uniform())
             return Recovered(token, "topk", len(ids), cert.eps)
-        if not self.truncated_target and self.budget.remaining <= 0 and delta_p > 0:
+        if topk_hopeless(self.budget.remaining, self.truncated_target) and delta_p > 0:
             return self._skip_topk()
         return self._advance()
 

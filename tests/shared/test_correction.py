@@ -17,6 +17,7 @@ from asymspec.correction import (
     TopKAnswer,
     answer,
     resolve_locally,
+    topk_hopeless,
 )
 from asymspec.fidelity import FidelityBudget
 
@@ -161,3 +162,23 @@ def test_exhausted_budget_on_untruncated_target_skips_larger_k() -> None:
     assert correction.on_topk(*_topk(p, 2)) == Rung("proposals", 8)
     walking = Correction(Ladder(topk_steps=(2, 64, 512)), q, FidelityBudget(0.0), _fixed(0.5))
     assert walking.on_topk(*_topk(p, 2)) == Rung("topk", 64)  # truncated: K may cover all
+
+
+def test_hopeless_topk_starts_the_ladder_at_proposals() -> None:
+    # No budget and an untruncated target: no top-K rung can certify, so a rejection's
+    # verdict should already carry proposals (rung 3 of topk 16 / 256 / 4096, proposals ...).
+    ladder = Ladder(topk_steps=(16, 256, 4096), num_proposals=8, proposal_rounds=2)
+    assert topk_hopeless(0.0, truncated_target=False)
+    assert not topk_hopeless(0.0, truncated_target=True)  # greedy / top-k: top-K may cover p
+    assert not topk_hopeless(0.05, truncated_target=False)  # a budget can pay for eps_K
+    start = ladder.first_rung(topk_hopeless=True)
+    assert ladder.rungs()[start] == Rung("proposals", 8)
+    assert ladder.first_rung(topk_hopeless=False) == 0
+    assert Ladder(use_topk=False).first_rung(topk_hopeless=True) == 0  # already exact-only
+    # A correction started there walks the rest of the ladder as usual.
+    p = np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32)
+    q = np.array([0.5, 0.0, 0.5, 0.0], dtype=np.float32)
+    correction = Correction(ladder, q, FidelityBudget(0.0), _fixed(0.99), rung_index=start)
+    refused = correction.on_proposals(np.array([0], dtype=np.uint32), p[[0]])  # q > p: refused
+    assert refused == Rung("proposals", 8)
+    assert correction.on_proposals(np.array([0], dtype=np.uint32), p[[0]]) == Rung("full", 0)
