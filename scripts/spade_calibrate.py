@@ -85,7 +85,7 @@ class Spade:
         profile = get_profile(self.args.profile)
         rows = []
         for phase in raw["phases"]:
-            row = summarize_phase(mode, profile, phase, self.sampling.temperature)
+            row = summarize_phase(mode, profile, phase)
             row["texts"] = [r["text"] if r["error"] is None else None for r in phase["records"]]
             rows.append(row)
         return rows

@@ -14,10 +14,10 @@ Per generated token (``tokens`` = client-counted completion tokens)
         (channel payload bytes, every frame: session open with the prompt ids, blocks,
         corrections, session close; not TCP/WebSocket headers)
     uplink_session_bytes_per_token  = the part of the uplink that opens and closes sessions:
-        the encoded OpenSession (4 bytes per prompt token) and CloseSession frames, recomputed
-        with asymspec.wire for each request's prompt length (exact up to the few bytes of
-        msgpack integer width of the random session id); uplink_block_bytes_per_token is the
-        rest: the per-block traffic (draft tokens, q(x), corrections requests)
+        Δ edge asymspec_link_message_bytes_total{direction="uplink", message=OpenSession or
+        CloseSession} (the prompt ids travel zlib-compressed, so their size depends on the
+        text, not only its length); uplink_block_bytes_per_token is the rest: the per-block
+        traffic (draft tokens, q(x), corrections requests)
     target_calls_per_token          = Δ cloud asymspec_target_forward_calls_total / tokens:
         batched target forwards (prefill + verify + decode); one forward verifies many blocks
     target_sequence_calls_per_token = (Δ verify_batch_size_sum + Δ prefill calls) / tokens:
@@ -63,9 +63,10 @@ import numpy as np
 
 from asymspec.links import LinkProfile
 from asymspec.modes import get_mode
-from asymspec.wire import CloseSession, CorrectionKind, OpenSession, SamplingConfig, encode
 from loadtest.bench.loadgen import PhaseResult, RequestRecord
 from loadtest.bench.prometheus import Snapshot
+
+_SESSION_MESSAGES = ("OpenSession", "CloseSession")
 
 PERCENTILES = (50, 90, 99)
 BREAKDOWN = ("draft", "upload", "queue", "verify", "download", "wait")
@@ -88,16 +89,6 @@ def _ratio(num: float, den: float) -> float | None:
 def _mean_of(delta: Snapshot, histogram: str) -> float:
     count = delta.value(f"{histogram}_count")
     return delta.value(f"{histogram}_sum") / count if count else 0.0
-
-
-def session_uplink_bytes(prompt_tokens: int, temperature: float, seed: int) -> int:
-    """Encoded OpenSession + CloseSession of one request (a 63-bit session id, as the edge
-    draws them); the per-request uplink overhead independent of how many blocks follow."""
-    session_id = 2**62 + 1
-    config = SamplingConfig(temperature, 0, 1.0, seed)
-    prompt = np.zeros(prompt_tokens, dtype=np.uint32)
-    opened = OpenSession(session_id, prompt, config, CorrectionKind.TOPK, 16)
-    return len(encode(opened)) + len(encode(CloseSession(session_id)))
 
 
 def link_split(
@@ -164,7 +155,6 @@ def summarize(
     wall_s: float,
     edge: Snapshot,
     cloud: Snapshot,
-    temperature: float,
 ) -> dict[str, Any]:
     """One results.json row (without the run configuration, which the runner adds)."""
     ok = [r for r in records if r.ok]
@@ -189,7 +179,7 @@ def summarize(
         for q in PERCENTILES:
             row[f"{name}_p{q}_s"] = percentile(values, q)
         row[f"{name}_mean_s"] = float(np.mean(values)) if values else None
-    row.update(_link_figures(edge, ok, tokens, temperature))
+    row.update(_link_figures(edge, tokens))
     row.update(_spec_figures(edge, cloud, tokens))
     busy = edge.value("asymspec_edge_busy_seconds_total")
     row["edge_busy_s"] = busy
@@ -211,13 +201,13 @@ def summarize(
     return row
 
 
-def _link_figures(
-    edge: Snapshot, ok: Sequence[RequestRecord], tokens: int, temperature: float
-) -> dict[str, Any]:
+def _link_figures(edge: Snapshot, tokens: int) -> dict[str, Any]:
     up = edge.value("asymspec_link_bytes_total", direction="uplink")
     down = edge.value("asymspec_link_bytes_total", direction="downlink")
-    session = sum(session_uplink_bytes(r.prompt_tokens, temperature, r.index) for r in ok)
-    session = session if up else 0  # draft-only has no channel at all
+    session = sum(
+        edge.value("asymspec_link_message_bytes_total", direction="uplink", message=message)
+        for message in _SESSION_MESSAGES
+    )
     return {
         "uplink_bytes": up,
         "downlink_bytes": down,
@@ -258,9 +248,7 @@ def _spec_figures(edge: Snapshot, cloud: Snapshot, tokens: int) -> dict[str, Any
     }
 
 
-def summarize_phase(
-    mode: str, profile: LinkProfile, phase: dict[str, Any], temperature: float
-) -> dict[str, Any]:
+def summarize_phase(mode: str, profile: LinkProfile, phase: dict[str, Any]) -> dict[str, Any]:
     """``summarize`` of one phase as the driver wrote it (records, wall time, deltas)."""
     result = PhaseResult.from_json(phase)
     row = summarize(
@@ -270,7 +258,6 @@ def summarize_phase(
         result.wall_s,
         Snapshot.from_json(phase["edge_delta"]),
         Snapshot.from_json(phase["cloud_delta"]),
-        temperature,
     )
     row["error"] = None
     row["request_errors"] = [r.error for r in result.records if not r.ok][:3]

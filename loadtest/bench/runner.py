@@ -136,9 +136,7 @@ class Run:
             bar.update(self.config.requests - (bar.n - done))
             return {"mode": mode, "profile": profile, "error": str(exc)[:4000]}
         (self.raw / f"{name}.json").write_text(json.dumps(raw))
-        row = summarize_phase(
-            mode, get_profile(profile), raw["phases"][0], self.config.sampling.temperature
-        )
+        row = summarize_phase(mode, get_profile(profile), raw["phases"][0])
         row["cell_s"] = time.monotonic() - started
         bar.write(
             f"{name}: {row['throughput_tok_s']:.1f} tok/s, "

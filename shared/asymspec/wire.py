@@ -14,6 +14,9 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     arrays   = bin of raw little-endian bytes: token ids uint32, probabilities float32
                (bit-exact: NaN payloads, -0.0, subnormals, inf), full-upload q rows float16
                (row-major γ × V, V = byte length / 2 / γ)
+    prompt   = the same uint32 bytes, zlib-compressed: sent once per request, the prompt is
+               most of the uplink a compact-mode request costs, and token ids compress
+               ~2.2x (the high bytes of ids below 65,536 are zero); lossless, so exact
     absent   = nil
 
     type  message            fields after [version, type]
@@ -53,8 +56,9 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the OpenSession prompt travels zlib-compressed
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
+MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1  # session ids and seeds: wide enough to pick at random
@@ -249,7 +253,8 @@ class OpenSession(_Wire):
         s = self.sampling
         sampling = [float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed)]
         first = [int(self.first_kind), self.first_size]
-        return [self.session_id, _u32s(self.prompt_tokens), sampling, first]
+        prompt = zlib.compress(_u32s(self.prompt_tokens), 6)
+        return [self.session_id, prompt, sampling, first]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -540,6 +545,20 @@ class _Fields:
     def tokens(self) -> TokenIds:
         return self.array(_WIRE_U32)
 
+    def compressed_tokens(self, max_tokens: int) -> TokenIds:
+        raw, where = self.raw_bytes()
+        inflate = zlib.decompressobj()
+        limit = max_tokens * _WIRE_U32.itemsize
+        try:
+            data = inflate.decompress(raw, limit + 1)  # one byte more than allowed: too long
+        except zlib.error as exc:
+            raise _malformed(f"{where}: not zlib data: {exc}") from None
+        if len(data) > limit or inflate.unconsumed_tail:
+            raise _malformed(f"{where}: more than {max_tokens} tokens once decompressed")
+        if not inflate.eof or inflate.unused_data:
+            raise _malformed(f"{where}: truncated or trailing zlib data")
+        return _Fields([data], 1, where).tokens()
+
     def probs(self) -> Probs:
         return self.array(_WIRE_F32)
 
@@ -638,7 +657,8 @@ def _verify_result(f: _Fields) -> VerifyResult:
 
 
 def _open_session(f: _Fields) -> OpenSession:
-    session_id, prompt, sampling = f.uint(_U64_MAX), f.tokens(), f.sampling()
+    session_id = f.uint(_U64_MAX)
+    prompt, sampling = f.compressed_tokens(MAX_PROMPT_TOKENS), f.sampling()
     first = f.nested(2, "OpenSession first correction")
     kind: CorrectionKind = _enum(CorrectionKind, first.uint(), "OpenSession first_kind")
     size = first.uint()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 import typing
+import zlib
 from typing import Any
 
 import msgpack
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from asymspec import wire
 from asymspec.wire import (
+    MAX_PROMPT_TOKENS,
     PROTOCOL_VERSION,
     BlockId,
     CloseSession,
@@ -268,10 +270,13 @@ def test_main_prints_size_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
+    other = PROTOCOL_VERSION + 1
     err = assert_wire_error(
-        raw_frame(MessageType.HELLO, "e", "t", version=2), ErrorCode.VERSION_MISMATCH
+        raw_frame(MessageType.HELLO, "e", "t", version=other), ErrorCode.VERSION_MISMATCH
     )
-    assert "2" in err.message and str(PROTOCOL_VERSION) in err.message
+    assert str(other) in err.message and str(PROTOCOL_VERSION) in err.message
+    # A version-1 peer (uncompressed prompts) is refused, not misread.
+    assert_wire_error(raw_frame(MessageType.HELLO, "e", "t", version=1), ErrorCode.VERSION_MISMATCH)
 
 
 def test_oversized_frame_rejected_before_parsing() -> None:
@@ -297,6 +302,8 @@ def _vb(*fields: Any) -> bytes:
 
 
 GOOD_BLOCK = [3, 7, 512, 99]
+NO_PROMPT = zlib.compress(b"")  # a valid (empty) compressed prompt
+GOOD_SAMPLING = [0.7, 0, 1.0, 1]
 TOK4 = u32(1, 2, 3, 4).tobytes()
 PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
 
@@ -344,25 +351,78 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
         (raw_frame(MessageType.CORRECTION_REQUEST, GOOD_BLOCK, 3, 8, 1), "full with size"),
         (raw_frame(MessageType.CORRECTION_REQUEST, GOOD_BLOCK, 1, 0, 1), "top-0"),
         (raw_frame(MessageType.CORRECTION_REQUEST, GOOD_BLOCK, 1, 8, 0), "rung 0"),
-        (raw_frame(MessageType.OPEN_SESSION, 1, b"", [0.7, 50, 0.95], [1, 16]), "short sampling"),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, b"", [-1.0, 50, 0.95, 1], [1, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 50, 0.95], [1, 16]),
+            "short sampling",
+        ),
+        (
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [-1.0, 50, 0.95, 1], [1, 16]),
             "negative temp",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, b"", [float("nan"), 0, 1.0, 1], [1, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [float("nan"), 0, 1.0, 1], [1, 16]),
             "nan temp",
         ),
-        (raw_frame(MessageType.OPEN_SESSION, 1, b"", [0.7, 0, 1.5, 1], [1, 16]), "top_p > 1"),
-        (raw_frame(MessageType.OPEN_SESSION, -1, b"", [0.7, 0, 1.0, 1], [1, 16]), "negative sid"),
-        (raw_frame(MessageType.OPEN_SESSION, 1, b"", [0.7, 0, 1.0, 1], [3, 16]), "full with size"),
-        (raw_frame(MessageType.OPEN_SESSION, 1, b"", [0.7, 0, 1.0, 1], [9, 16]), "bad kind"),
+        (raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.5, 1], [1, 16]), "top_p > 1"),
+        (
+            raw_frame(MessageType.OPEN_SESSION, -1, NO_PROMPT, [0.7, 0, 1.0, 1], [1, 16]),
+            "negative sid",
+        ),
+        (
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [3, 16]),
+            "full with size",
+        ),
+        (raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [9, 16]), "bad kind"),
+        (raw_frame(MessageType.OPEN_SESSION, 1, TOK4, GOOD_SAMPLING, [1, 16]), "raw prompt"),
+        (
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4)[:-2], GOOD_SAMPLING, [1, 16]
+            ),
+            "truncated prompt",
+        ),
+        (
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4) + b"x", GOOD_SAMPLING, [1, 16]
+            ),
+            "bytes after the prompt",
+        ),
+        (
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4[:-1]), GOOD_SAMPLING, [1, 16]
+            ),
+            "prompt not a multiple of 4",
+        ),
         (raw_frame(MessageType.GENERATE_TOKENS, 1, b"", 1), "int for bool"),
         (raw_frame(MessageType.ERROR, 99, "x", None, None), "unknown error code"),
     ],
 )
 def test_malformed_frames(data: bytes, why: str) -> None:
     assert_wire_error(data, ErrorCode.MALFORMED)
+
+
+def test_compressed_prompt_is_capped_against_zip_bombs() -> None:
+    # 4 MiB + 4 bytes of zeros compress to a few KiB: one token over the cap is refused
+    # without inflating more than the cap allows.
+    bomb = zlib.compress(bytes(4 * (MAX_PROMPT_TOKENS + 1)), 9)
+    assert len(bomb) < 8192
+    frame = raw_frame(MessageType.OPEN_SESSION, 1, bomb, GOOD_SAMPLING, [1, 16])
+    err = assert_wire_error(frame, ErrorCode.MALFORMED)
+    assert str(MAX_PROMPT_TOKENS) in err.message
+    at_cap = zlib.compress(bytes(4 * MAX_PROMPT_TOKENS), 9)
+    msg = decode(raw_frame(MessageType.OPEN_SESSION, 1, at_cap, GOOD_SAMPLING, [1, 16]))
+    assert isinstance(msg, OpenSession) and len(msg.prompt_tokens) == MAX_PROMPT_TOKENS
+
+
+def test_prompt_ids_below_65536_compress_to_under_half() -> None:
+    rng = np.random.default_rng(0)
+    # Token ids of a 49,152-token vocabulary, with the repetition real code has.
+    words = rng.integers(0, 49_152, size=300)
+    prompt = words[rng.zipf(1.3, size=2000) % 300].astype(np.uint32)
+    frame = encode(OpenSession(1, prompt, SAMPLING))
+    assert len(frame) < 2 * len(prompt)  # vs 4 bytes a token uncompressed
+    decoded = decode(frame)
+    assert isinstance(decoded, OpenSession)
+    np.testing.assert_array_equal(decoded.prompt_tokens, prompt)
 
 
 def test_non_bytes_input_is_a_wire_error() -> None:
