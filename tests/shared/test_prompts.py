@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import pytest
@@ -71,3 +72,47 @@ def test_render_rejects_impossible_combinations() -> None:
         prompts.render_prompt(prompts.chat_prompts()[0], "completion")
     with pytest.raises(ValueError, match="needs the tokenizer"):
         prompts.render_prompt("def f():", "chat")
+
+
+def test_source_prompts_are_functions_cut_after_their_docstring() -> None:
+    train, heldout = prompts.source_prompts("train"), prompts.source_prompts("heldout")
+    assert len(train) > 1000 and len(heldout) > 200
+    # crc32 % 5: about a fifth held out
+    assert 0.15 < len(heldout) / (len(train) + len(heldout)) < 0.25
+    assert set(train).isdisjoint(heldout)  # nothing held out was trained on
+    assert len(set(heldout)) == len(heldout)
+    for text in train[:200]:
+        first, *rest = text.splitlines()
+        assert first.startswith(("def ", "async def ")), first
+        assert rest and text.rstrip()[-1] in "\"'", text[-40:]  # ends with its docstring
+
+
+def test_source_split_is_deterministic_and_by_key() -> None:
+    first = prompts.source_prompts("heldout")
+    prompts._all_source_prompts.cache_clear()
+    assert prompts.source_prompts("heldout") == first
+    key = "json/decoder.py:py_scanstring"
+    assert prompts.is_source_heldout(key) == (zlib.crc32(key.encode()) % 5 == 0)
+    with pytest.raises(ValueError, match="unknown split"):
+        prompts.source_prompts("test")  # type: ignore[arg-type]
+
+
+def test_function_prompts_skip_short_docstrings_and_bodiless_functions() -> None:
+    source = (
+        "def documented(x):\n"
+        '    """Return x doubled, which is what this long enough docstring says."""\n'
+        "    return 2 * x\n\n"
+        "def terse(x):\n"
+        '    """Too short."""\n'
+        "    return x\n\n"
+        "def docstring_only():\n"
+        '    """A docstring that is long enough but with no body after it at all."""\n\n'
+        "class C:\n"
+        "    def method(self):\n"
+        '        """A method whose docstring is long enough to continue from here."""\n'
+        "        return 1\n"
+    )
+    found = prompts._function_prompts("m.py", source)
+    assert [p.key for p in found] == ["m.py:documented", "m.py:method"]
+    assert found[1].prompt.startswith('def method(self):\n    """A method')  # dedented
+    assert prompts._function_prompts("bad.py", "def (:") == []
