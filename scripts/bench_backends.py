@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asymspec.backends.draft import DraftModel
+from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import CachedLM
 from asymspec.backends.loading import load_causal_lm, pick_device
@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for (e)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ")
+    parser.add_argument(
+        "--copy-weight", type=float, default=DEFAULT_COPY_WEIGHT, help="λ; 0 = the model alone"
+    )
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per measurement")
     parser.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -254,7 +257,7 @@ def _acceptance(stats: Sequence[GenerationStats], gamma: int) -> dict[str, Any]:
 def bench_generation(
     pair: Pair, prompts: Sequence[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    target, draft = TargetModel(pair.target), DraftModel(pair.draft)
+    target, draft = TargetModel(pair.target), DraftModel(pair.draft, args.copy_weight)
     eos, gamma, n = pair.tokenizer.eos_token_id, args.num_draft_tokens, args.max_new_tokens
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
     identical, greedy_stats, sampled_stats = 0, [], []
@@ -276,6 +279,7 @@ def bench_generation(
         "prompts": len(prompts),
         "max_new_tokens": n,
         "gamma": gamma,
+        "copy_weight": args.copy_weight,
         "greedy_identical": identical,
         "greedy_T0": _acceptance(greedy_stats, gamma),
         "sampled_T0.7": _acceptance(sampled_stats, gamma),
@@ -318,7 +322,7 @@ def print_load(d: dict[str, float]) -> None:
 def print_generation(e: dict[str, Any]) -> None:
     print(
         f"(e) greedy identical to target-only: {e['greedy_identical']}/{e['prompts']} prompts "
-        f"x {e['max_new_tokens']} tokens; γ={e['gamma']}"
+        f"x {e['max_new_tokens']} tokens; γ={e['gamma']}, copy weight λ={e['copy_weight']}"
     )
     for name in ("greedy_T0", "sampled_T0.7"):
         row = e[name]

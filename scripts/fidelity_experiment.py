@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: repo root
 
-from asymspec.backends.draft import DraftModel, DraftRequest
+from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel, DraftRequest
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import CachedLM, draw_uniform
 from asymspec.backends.loading import load_causal_lm
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_lm, _ = load_causal_lm(args.draft, "cpu")
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     target = TargetModel(CachedLM(target_lm, pad_token_id=pad))
-    draft = DraftModel(CachedLM(draft_lm, pad_token_id=pad))
+    draft = DraftModel(CachedLM(draft_lm, pad_token_id=pad), DEFAULT_COPY_WEIGHT)  # the edge's q
     params = SamplingParams(temperature=args.temperature)
     collector = Collector(target, draft, params)
     rejections: list[Rejection] = []

@@ -59,7 +59,8 @@ def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
         torch.set_num_threads(settings.torch_threads)
     model, tokenizer = load_causal_lm(settings.draft_model, settings.device or None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return DraftModel(CachedLM(model, pad_token_id=int(pad))), tokenizer
+    lm = CachedLM(model, pad_token_id=int(pad))
+    return DraftModel(lm, copy_weight=settings.draft_copy_weight), tokenizer
 
 
 async def _start(state: EdgeState) -> None:

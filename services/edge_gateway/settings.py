@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from asymspec.backends.draft import DEFAULT_COPY_WEIGHT
 from asymspec.backends.embedded import EMBEDDED_DRAFT
 from asymspec.correction import Ladder
 from asymspec.modes import MODES, Mode, get_mode
@@ -42,6 +43,13 @@ class EdgeSettings(BaseSettings):
     device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
     torch_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default.")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="Default γ per block.")
+    draft_copy_weight: float = Field(
+        DEFAULT_COPY_WEIGHT,
+        ge=0.0,
+        lt=1.0,
+        description="λ: draft mass moved to the token that followed the context's last "
+        "n-gram before (prompt lookup mixed into q); 0 = the draft model's q alone.",
+    )
     adaptive_draft_tokens: bool = Field(
         False, description="Adapt γ per request from its observed acceptance (SPADE-style)."
     )

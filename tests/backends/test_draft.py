@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from asymspec.backends.draft import Draft, DraftModel, DraftRequest
+from asymspec.backends.draft import Draft, DraftModel, DraftRequest, copy_candidate, mix_copy
 from asymspec.backends.engine import CachedLM
 from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
 from tests.backends.conftest import TINY_VOCAB, full_logits
@@ -143,3 +143,50 @@ def test_invalid_requests_are_refused(draft: DraftModel, pending: list[int], gam
 def test_open_needs_a_prompt(draft: DraftModel) -> None:
     with pytest.raises(ValueError):
         draft.open("s", [])
+
+
+# ---------------------------------------------------------------- copying from the context
+
+
+@pytest.mark.parametrize(
+    ("context", "expected"),
+    [
+        ([5, 6, 7, 1, 5, 6], 7),  # "5 6" seen before, then 7
+        ([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 9),  # the trigram "1 2 3" wins over the bigram "2 3"
+        ([2, 3, 4, 2, 3, 5, 2, 3], 5),  # the latest earlier occurrence of "2 3"
+        ([1, 2, 3, 4], None),  # no suffix repeats
+        ([7, 7], None),  # too short for a bigram before the suffix
+        ([7, 7, 7], 7),  # overlapping occurrence: "7 7" at 0, followed by 7
+    ],
+)
+def test_copy_candidate_hand_cases(context: list[int], expected: int | None) -> None:
+    assert copy_candidate(np.asarray(context, dtype=np.int64)) == expected
+
+
+def test_mix_copy_moves_mass_and_keeps_a_distribution() -> None:
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    mixed = mix_copy(q, copy=3, weight=0.6, greedy=False)
+    assert torch.allclose(mixed, torch.tensor([0.2, 0.12, 0.08, 0.6]))
+    assert float(mixed.sum()) == pytest.approx(1.0)
+    one_hot = torch.tensor([1.0, 0.0, 0.0, 0.0])  # a greedy q
+    assert mix_copy(one_hot, copy=2, weight=0.6, greedy=True).tolist() == [0, 0, 1, 0]
+    assert mix_copy(one_hot, copy=2, weight=0.4, greedy=True).tolist() == [1, 0, 0, 0]
+
+
+def test_copy_weight_drafts_the_copy_and_reports_the_mixed_q(
+    tiny_draft_model: LlamaForCausalLM,
+) -> None:
+    draft = DraftModel(CachedLM(tiny_draft_model), copy_weight=0.8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]  # "1 4" and "3 1 4" were followed by 1
+    greedy = _propose_one(draft, prompt, gamma=3, params=GREEDY)
+    assert greedy.tokens.tolist() == [1, 5, 9]  # then "4 1" -> 5, "1 5" -> 9: copying on
+    assert (
+        greedy.rows[0].tolist() == torch.nn.functional.one_hot(torch.tensor(1), TINY_VOCAB).tolist()
+    )
+    sampled = DraftModel(CachedLM(tiny_draft_model), copy_weight=0.8)
+    block = _propose_one(sampled, prompt, gamma=1, params=T1)
+    assert float(block.rows[0, 1]) >= 0.8  # λ on the copy, plus the model's own mass
+    assert float(block.rows[0].sum()) == pytest.approx(1.0, abs=1e-5)
+    assert block.probs[0] == block.rows[0, int(block.tokens[0])]
+    with pytest.raises(ValueError, match="copy_weight"):
+        DraftModel(CachedLM(tiny_draft_model), copy_weight=1.0)

@@ -167,11 +167,14 @@ def _exact_joint(model: LlamaForCausalLM, prompt: list[int], params: SamplingPar
 
 
 @pytest.mark.slow
-def test_speculative_output_is_distributed_as_the_target() -> None:
+@pytest.mark.parametrize("copy_weight", [0.0, 0.6])
+def test_speculative_output_is_distributed_as_the_target(copy_weight: float) -> None:
     target_model = build_tiny_llama(seed=10, hidden_size=32, vocab_size=STAT_VOCAB)
     draft_model = build_tiny_llama(seed=11, hidden_size=32, vocab_size=STAT_VOCAB)
-    target, draft = _pair(target_model, draft_model)
-    params, prompt = SamplingParams(temperature=1.0), [1, 2, 3]
+    target = TargetModel(CachedLM(target_model))
+    draft = DraftModel(CachedLM(draft_model), copy_weight=copy_weight)
+    # "1 2" occurred before, followed by 3: with copy_weight > 0 every draft step copies.
+    params, prompt = SamplingParams(temperature=1.0), [1, 2, 3, 1, 2]
     counts: Counter[tuple[int, ...]] = Counter()
     accepted = 0
     for seed in range(STAT_TRIALS):
