@@ -1,35 +1,43 @@
 """Distil the embedded draft model from the embedded target (reproducible, CPU only).
 
-    python -m asymspec.backends.prepare --target-only   # once: the fp32 target in the cache
-    python scripts/distill_draft.py                     # all stages -> models/smollm2-draft/
-    python scripts/distill_draft.py --stage train       # retrain from the cached target data
+    python -m asymspec.backends.prepare --target-only     # once: the fp32 target in the cache
+    python scripts/distill_draft.py                       # all stages -> models/smollm2-draft/
+    python scripts/distill_draft.py --stage generate --shard 0/2 --threads 1 &   # two cores:
+    python scripts/distill_draft.py --stage generate --shard 1/2 --threads 1     # two shards
+    python scripts/distill_draft.py --stage train         # then train and export
+    python scripts/distill_draft.py --stage export
 
-Stages (each caches its output under ``.cache/distill/``, git-ignored, so that a rerun of a
-later stage does not redo an earlier one):
+Stages (each caches its output under ``.cache/distill/``, git-ignored):
 
-1. ``generate``: the target writes its own continuations of the TRAIN-split HumanEval
-   prompts (raw completion and chat template; greedy and temperature 0.7) and of some
-   generic chat instructions, in batches with the KV cache. For every position we keep the
-   target's top-K next-token log-probabilities (its soft labels).
-2. ``label``: target soft labels for chunks of this machine's Python stdlib source.
-3. ``train``: a small Llama initialised from a PCA projection of the target's embedding,
-   trained by knowledge distillation: KL(p || q) over the target's top-K plus one bucket for
-   the rest of the vocabulary, plus cross-entropy on the target's argmax token.
-4. ``export``: bf16 weights + config into ``models/smollm2-draft/``.
+1. ``generate``: the target writes its own continuations (on-policy data: what the draft
+   has to predict at serving time) of TRAIN-split prompts: HumanEval (raw completion and
+   chat template; greedy and T = 0.7), source-code continuations (``asymspec.prompts``:
+   stdlib functions cut after their docstring; greedy and T = 0.7) and generic chat
+   instructions. For every generated position it keeps the target's top-K next-token
+   log-probabilities (soft labels). Work is split into fixed batches, each saved to its own
+   file, so that shards run in parallel and an interrupted run resumes where it stopped;
+   batch ``n`` samples with a generator seeded by ``(seed, n)``, so the data does not
+   depend on the number of shards.
+2. ``train``: a small Llama initialised from a PCA projection of the target's embedding,
+   trained by knowledge distillation on the generated positions: KL(p || q) over the
+   target's top-K plus one bucket for the rest of the vocabulary, plus cross-entropy on the
+   target's argmax. A share of synthetic copy sequences (a window of generated text seen
+   again later) teaches the copying that much of the target's output is.
+3. ``export``: bf16 weights + config into ``models/smollm2-draft/``.
 
-The held-out HumanEval problems (``asymspec.prompts``, every 5th) are never used here.
-See ``models/smollm2-draft/README.md`` for the design, data sizes, times and measurements.
+The held-out HumanEval problems and held-out source prompts (``asymspec.prompts``) are never
+used here. See ``models/smollm2-draft/README.md`` for the design, data sizes and measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
-import sysconfig
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -44,10 +52,13 @@ from transformers import (
 
 from asymspec.backends.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
 from asymspec.backends.prepare import target_dir
-from asymspec.prompts import humaneval_prompts, render_prompt
+from asymspec.prompts import humaneval_prompts, render_prompt, source_prompts
 
 CACHE = REPO_ROOT / ".cache" / "distill"
+GENERATED = CACHE / "generated"  # one file per generation batch
 TOP_K = 32  # soft labels kept per position; the rest of the vocabulary is one "tail" bucket
+GEN_BATCH = 64  # rows per generation batch: part of the data's definition, not a knob
+VALID_EVERY = 40  # every 40th greedy source job is held back for validation
 
 # Generic chat instructions for training. Deliberately disjoint from asymspec.prompts'
 # CHAT_PROMPTS, which stay unseen as the chat workload.
@@ -81,8 +92,10 @@ TRAIN_CHAT_INSTRUCTIONS = (
 
 @dataclass(frozen=True)
 class DraftShape:
-    """The draft architecture. The lm_head over 49,152 tokens dominates its cost, so the
-    hidden size is kept small and depth (cheap by comparison) carries the capacity."""
+    """The draft architecture. The lm_head over 49,152 tokens dominates its compute, so the
+    hidden size is kept small; depth is cheap in FLOPs but not in time: each layer costs a
+    step ~1.4 ms of per-op overhead here, and 8 layers put the step above 1/4 of the
+    target's."""
 
     hidden_size: int = 256
     num_hidden_layers: int = 6
@@ -91,18 +104,29 @@ class DraftShape:
     num_key_value_heads: int = 2  # GQA: halves the KV cache the edge keeps per request
 
 
+@dataclass(frozen=True)
+class Job:
+    """One trajectory to generate."""
+
+    source: str  # e.g. "source-greedy", "humaneval-completion-t0.7"
+    text: str  # the rendered prompt
+    temperature: float
+    max_new_tokens: int
+
+
 @dataclass
 class Sequence:
-    """One labelled token sequence; labels[t] is the target's distribution of ids[t + 1]."""
+    """One labelled token sequence: ``ids`` = prompt + generated tokens; ``topk_*[j]`` is the
+    target's distribution of ``ids[start + 1 + j]``, for the positions from ``start`` on."""
 
     ids: torch.Tensor  # (L,) int64
-    topk_ids: torch.Tensor  # (L - 1, K) int32
-    topk_logp: torch.Tensor  # (L - 1, K) float16, log-probabilities over the full vocabulary
-    source: str  # e.g. "humaneval-completion-greedy", "stdlib"
-    loss_start: int = 0  # labels before this position are context only (set in training)
+    topk_ids: torch.Tensor  # (L - 1 - start, K) int32
+    topk_logp: torch.Tensor  # (L - 1 - start, K) float16, log p over the full vocabulary
+    start: int  # first labelled position (the prompt's last token for a trajectory)
+    source: str
 
 
-# ---------------------------------------------------------------- target soft labels
+# ---------------------------------------------------------------- generation
 
 
 def labels_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,14 +134,6 @@ def labels_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     logp = logits.float().log_softmax(-1)
     top = logp.topk(TOP_K, dim=-1)
     return top.indices.to(torch.int32), top.values.to(torch.float16)
-
-
-@torch.inference_mode()
-def topk_logprobs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Labels from final hidden states (B, T, d), chunked over positions so that the
-    (B, T, 49152) float32 logits never exist at once."""
-    parts = [labels_from_logits(model.lm_head(chunk)) for chunk in hidden.split(64, dim=1)]
-    return torch.cat([ids for ids, _ in parts], 1), torch.cat([lp for _, lp in parts], 1)
 
 
 @torch.inference_mode()
@@ -129,8 +145,9 @@ def generate_batch(
     generator: torch.Generator,
     eos_id: int,
     pad_id: int,
-) -> list[Sequence]:
-    """Continue left-padded prompts with the KV cache, keeping top-K labels everywhere."""
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Continue left-padded prompts with the KV cache: per row (new tokens, top-K ids, top-K
+    log p). Rows that finish (EOS) leave the batch, so their compute is not wasted."""
     batch, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((batch, width), pad_id, dtype=torch.long)
     mask = torch.zeros((batch, width), dtype=torch.long)
@@ -141,26 +158,29 @@ def generate_batch(
     cache = DynamicCache(config=model.config)
     hidden = model.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-    ).last_hidden_state  # (B, P, d)
-    label_ids, label_logp = topk_logprobs(model, hidden)
-    steps_ids, steps_topk, steps_logp = [], [label_ids], [label_logp]
-    last_logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
-    done = torch.zeros(batch, dtype=torch.bool)
-    lengths = torch.full((batch,), max_new_tokens)
+    ).last_hidden_state[:, -1]  # (B, d)
+    rows = torch.arange(batch)  # which prompt each live batch row is
+    tokens: list[list[int]] = [[] for _ in prompts]
+    labels: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     for step in range(max_new_tokens):
+        logits = model.lm_head(hidden).float()  # (b, V)
+        top_ids, top_logp = labels_from_logits(logits)
         if temperature == 0.0:
-            token = last_logits.argmax(-1)
+            token = logits.argmax(-1)
         else:
-            probs = torch.softmax(last_logits / temperature, -1)
+            probs = torch.softmax(logits / temperature, -1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        steps_ids.append(token)
-        finished_now = ~done & (token == eos_id)
-        lengths[finished_now] = step + 1
-        done |= finished_now
-        if bool(done.all()) or step == max_new_tokens - 1:
+        for live, row in enumerate(rows.tolist()):
+            tokens[row].append(int(token[live]))
+            labels[row].append((top_ids[live], top_logp[live]))
+        alive = token != eos_id
+        if step == max_new_tokens - 1 or not bool(alive.any()):
             break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], 1)
+        if not bool(alive.all()):
+            keep = alive.nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, token, mask, positions = rows[keep], token[keep], mask[keep], positions[keep]
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], 1)
         positions = positions[:, -1:] + 1
         hidden = model.model(
             input_ids=token[:, None],
@@ -168,132 +188,158 @@ def generate_batch(
             position_ids=positions,
             cache=cache,
             use_cache=True,
-        ).last_hidden_state  # (B, 1, d)
-        last_logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
-        top_ids, top_logp = labels_from_logits(last_logits)
-        steps_topk.append(top_ids[:, None])
-        steps_logp.append(top_logp[:, None])
-    new_ids = torch.stack(steps_ids, 1)  # (B, n)
-    all_topk, all_logp = torch.cat(steps_topk, 1), torch.cat(steps_logp, 1)  # (B, P+n-1, K)
-    sequences = []
-    for row, prompt in enumerate(prompts):
-        n_new = int(min(lengths[row], new_ids.shape[1]))
-        seq_ids = torch.cat([torch.tensor(prompt), new_ids[row, :n_new]])
-        first = width - len(prompt)
-        stop = first + len(seq_ids) - 1
-        sequences.append(
-            Sequence(
-                seq_ids, all_topk[row, first:stop].clone(), all_logp[row, first:stop].clone(), ""
-            )
+        ).last_hidden_state[:, -1]  # (b, d)
+    return [
+        (
+            tokens[row],
+            torch.stack([i for i, _ in labels[row]]),
+            torch.stack([lp for _, lp in labels[row]]),
         )
-    return sequences
+        for row in range(batch)
+    ]
 
 
-def training_prompts(tokenizer: AutoTokenizer, samples: int) -> list[tuple[str, str, float]]:
-    """(source, text, temperature) for every target trajectory to generate."""
-    jobs: list[tuple[str, str, float]] = []
+def training_jobs(tokenizer: AutoTokenizer, args: argparse.Namespace) -> list[Job]:
+    """Every trajectory to generate, in a fixed order."""
+    jobs: list[Job] = []
     for code in humaneval_prompts("train"):
-        jobs.append(("humaneval-completion-greedy", code, 0.0))
-        jobs += [("humaneval-completion-t0.7", code, 0.7)] * samples
-        jobs.append(("humaneval-chat-greedy", render_prompt(code, "chat", tokenizer), 0.0))
+        chat = render_prompt(code, "chat", tokenizer)
+        jobs.append(Job("humaneval-completion-greedy", code, 0.0, 160))
+        jobs += [Job("humaneval-completion-t0.7", code, 0.7, 160)] * args.humaneval_samples
+        jobs.append(Job("humaneval-chat-greedy", chat, 0.0, 160))
+        jobs.append(Job("humaneval-chat-t0.7", chat, 0.7, 160))
+    code_prompts = source_prompts("train")
+    random.Random(args.seed).shuffle(code_prompts)
+    for number, code in enumerate(code_prompts[: args.source_greedy]):
+        kind = "valid-source-greedy" if number % VALID_EVERY == 0 else "source-greedy"
+        jobs.append(Job(kind, code, 0.0, 128))
+    for code in code_prompts[: args.source_sampled]:
+        jobs.append(Job("source-t0.7", code, 0.7, 128))
     for instruction in TRAIN_CHAT_INSTRUCTIONS:
         chat = render_prompt([{"role": "user", "content": instruction}], "chat", tokenizer)
-        jobs.append(("chat-greedy", chat, 0.0))
-        jobs.append(("chat-t0.7", chat, 0.7))
+        jobs.append(Job("chat-greedy", chat, 0.0, 160))
+        jobs.append(Job("chat-t0.7", chat, 0.7, 160))
     return jobs
 
 
-def generation_batches(jobs: list[tuple[str, str, float]], size: int) -> list[list[int]]:
-    """Job indices batched by temperature and prompt length (little padding), fixed order."""
-    order = sorted(range(len(jobs)), key=lambda i: (jobs[i][2], len(jobs[i][1]), i))
-    out: list[list[int]] = []
-    for temperature in sorted({job[2] for job in jobs}):
-        same = [i for i in order if jobs[i][2] == temperature]
-        out += [same[first : first + size] for first in range(0, len(same), size)]
-    return out
+def generation_plan(jobs: list[Job], tokenizer: AutoTokenizer) -> list[list[int]]:
+    """Job indices batched by (temperature, length budget) and prompt length (little
+    padding); batch n is the same whatever the number of shards."""
+    lengths = [len(tokenizer(job.text).input_ids) for job in jobs]
+    order = sorted(
+        range(len(jobs)),
+        key=lambda i: (jobs[i].temperature, jobs[i].max_new_tokens, lengths[i], i),
+    )
+    plan: list[list[int]] = []
+    for index in order:
+        last = plan[-1] if plan else None
+        same = last is not None and (
+            (jobs[last[0]].temperature, jobs[last[0]].max_new_tokens)
+            == (jobs[index].temperature, jobs[index].max_new_tokens)
+        )
+        if same and last is not None and len(last) < GEN_BATCH:
+            last.append(index)
+        else:
+            plan.append([index])
+    return plan
+
+
+def generated_dir(jobs: list[Job], plan: list[list[int]], seed: int) -> Path:
+    """The batch files' folder, named by what defines the data: other options, other data."""
+    key = json.dumps([seed, [asdict(job) for job in jobs], plan])
+    return GENERATED / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def stage_generate(args: argparse.Namespace) -> None:
-    """Target trajectories, resumable: progress is saved after every batch (with the
-    sampler's state), so an interrupted run continues where it stopped."""
     model, tokenizer = load_target()
-    jobs = training_prompts(tokenizer, args.samples)
-    plan = generation_batches(jobs, args.gen_batch)
-    key = [args.seed, args.max_new_tokens, args.gen_batch, args.samples, len(jobs)]
-    partial_path = CACHE / "trajectories.partial.pt"
-    generator = torch.Generator().manual_seed(args.seed)
-    sequences: list[Sequence] = []
-    done = 0
-    if partial_path.is_file() and (partial := torch.load(partial_path))["key"] == key:
-        done, generator_state = partial["done"], partial["generator"]
-        sequences = [Sequence(**row) for row in partial["sequences"]]
-        generator.set_state(generator_state)
-        print(f"generate: resuming after {done} of {len(plan)} batches")
-    started = time.perf_counter()
-    for number in range(done, len(plan)):
+    jobs = training_jobs(tokenizer, args)
+    plan = generation_plan(jobs, tokenizer)
+    shard, shards = (int(part) for part in args.shard.split("/"))
+    mine = [n for n in range(len(plan)) if n % shards == shard]
+    if args.reverse:  # a helper for a slow shard: it takes that shard's work from the end
+        mine.reverse()
+    folder = generated_dir(jobs, plan, args.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    started, made = time.perf_counter(), 0
+    for number in mine:
+        path = folder / f"batch_{number:05d}.pt"
+        if path.is_file():
+            continue
         part = [jobs[i] for i in plan[number]]
-        prompts = [tokenizer(text).input_ids for _, text, _ in part]
-        made = generate_batch(
+        prompts = [tokenizer(job.text).input_ids for job in part]
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + number)
+        outputs = generate_batch(
             model,
             prompts,
-            args.max_new_tokens,
-            part[0][2],
+            part[0].max_new_tokens,
+            part[0].temperature,
             generator,
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
         )
-        for seq, (source, _, _) in zip(made, part, strict=True):
-            seq.source = source
-        sequences.extend(made)
-        snapshot = {
-            "key": key,
-            "done": number + 1,
-            "generator": generator.get_state(),
-            "sequences": [as_row(s) for s in sequences],
-        }
-        torch.save(snapshot, partial_path.with_suffix(".tmp"))
-        partial_path.with_suffix(".tmp").rename(partial_path)
-        report_progress("generate", len(sequences), len(jobs), sequences, started)
-    save_sequences(sequences, CACHE / "trajectories.pt")
-    partial_path.unlink(missing_ok=True)
+        rows = []
+        for job, prompt, (new, top_ids, top_logp) in zip(part, prompts, outputs, strict=True):
+            ids = torch.tensor(prompt + new)
+            rows.append(as_row(Sequence(ids, top_ids, top_logp, len(prompt) - 1, job.source)))
+        tmp = path.with_suffix(".tmp")
+        torch.save(rows, tmp)
+        tmp.rename(path)  # a batch file is complete or absent
+        made += sum(len(r["topk_ids"]) for r in rows)
+        elapsed = time.perf_counter() - started
+        print(
+            f"generate shard {args.shard}: batch {number} ({len(plan)} in all), "
+            f"{made} new tokens in {elapsed:.0f} s ({made / elapsed:.1f}/s)",
+            flush=True,
+        )
+    print(f"generate shard {args.shard}: done; {len(plan)} batches in the plan")
 
 
-def stdlib_chunks(
-    tokenizer: AutoTokenizer, n_tokens: int, length: int, seed: int
-) -> list[list[int]]:
-    """Seeded, sorted-then-shuffled chunks of this interpreter's stdlib source (no tests)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if not {"test", "tests", "site-packages", "idle_test"} & set(p.relative_to(root).parts)
-    )
-    random.Random(seed).shuffle(files)
-    chunks: list[list[int]] = []
-    for path in files:
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")).input_ids
-        chunks.extend(ids[i : i + length] for i in range(0, len(ids) - length + 1, length))
-        if len(chunks) * length >= n_tokens:
-            break
-    return chunks[: n_tokens // length]
+# ---------------------------------------------------------------- training data
 
 
-@torch.inference_mode()
-def stage_label(args: argparse.Namespace) -> None:
-    model, tokenizer = load_target()
-    chunks = stdlib_chunks(tokenizer, args.stdlib_tokens, args.stdlib_length, args.seed)
-    sequences: list[Sequence] = []
-    started = time.perf_counter()
-    for first in range(0, len(chunks), args.label_batch):
-        ids = torch.tensor(chunks[first : first + args.label_batch])  # (B, L)
-        hidden = model.model(input_ids=ids).last_hidden_state
-        top_ids, top_logp = topk_logprobs(model, hidden[:, :-1])
-        for row in range(ids.shape[0]):
-            # clone: a saved view would carry its whole batch's storage with it
-            labels = top_ids[row].clone(), top_logp[row].clone()
-            sequences.append(Sequence(ids[row].clone(), *labels, "stdlib"))
-        report_progress("label", len(sequences), len(chunks), sequences, started)
-    save_sequences(sequences, CACHE / "stdlib.pt")
+def copy_sequence(pool: list[Sequence], rng: random.Random) -> Sequence:
+    """Context, a window W of generated text, filler, W again: hard labels on the second W
+    (every token of it after the first is predictable by copying)."""
+
+    def window(length: int) -> list[int]:
+        s = rng.choice(pool)
+        generated = s.ids[s.start + 1 :].tolist()
+        first = rng.randrange(max(1, len(generated) - length))
+        return generated[first : first + length]
+
+    repeated = window(rng.randint(12, 48))
+    context, filler = window(rng.randint(16, 96)), window(rng.randint(4, 64))
+    ids = context + repeated + filler + repeated
+    start = len(context) + len(repeated) + len(filler)  # input = W[0], predicts W[1]
+    targets = torch.tensor(repeated[1:], dtype=torch.int32)
+    top_ids = torch.zeros((len(targets), TOP_K), dtype=torch.int32)
+    top_ids[:, 0] = targets
+    # p = 1 on the copied token; -30 (not -inf) keeps 0 * log 0 terms finite in the loss.
+    top_logp = torch.full((len(targets), TOP_K), -30.0, dtype=torch.float16)
+    top_logp[:, 0] = 0.0
+    return Sequence(torch.tensor(ids), top_ids, top_logp, start, "copy")
+
+
+def training_data(args: argparse.Namespace) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, valid): every generated trajectory, plus copy sequences; validation is the
+    held-back greedy source trajectories (TRAIN split, never trained on)."""
+    _, tokenizer = load_target()
+    jobs = training_jobs(tokenizer, args)
+    plan = generation_plan(jobs, tokenizer)
+    folder = generated_dir(jobs, plan, args.seed)
+    files = sorted(folder.glob("batch_*.pt"))
+    if len(files) != len(plan):
+        raise SystemExit(
+            f"{folder} holds {len(files)} of {len(plan)} generated batches; "
+            "run --stage generate (with the same options) first"
+        )
+    sequences = [Sequence(**row) for path in files for row in torch.load(path)]
+    valid = [s for s in sequences if s.source.startswith("valid-")]
+    train = [s for s in sequences if not s.source.startswith("valid-")]
+    rng = random.Random(args.seed)
+    n_copy = int(len(train) * args.copy_share / (1 - args.copy_share))
+    train += [copy_sequence(train, rng) for _ in range(n_copy)]
+    return train, valid
 
 
 # ---------------------------------------------------------------- the draft and its training
@@ -328,8 +374,9 @@ def pca_embedding(target_embedding: torch.Tensor, dim: int) -> torch.Tensor:
 def kd_loss(
     logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor, ce_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p || q) with the vocabulary outside the target's top-K as one bucket, plus
-    ``ce_weight`` x cross-entropy on the target's argmax. Returns (loss, argmax agreement).
+    """Per position: KL(p || q) with the vocabulary outside the target's top-K as one bucket,
+    plus ``ce_weight`` x cross-entropy on the target's argmax. Returns (losses (N,), argmax
+    agreement (N,)).
 
     logits: (N, V) draft; topk_ids, topk_logp: (N, K) target, log p sorted descending.
     """
@@ -341,8 +388,8 @@ def kd_loss(
     tail_q = (1 - logq_k.exp().sum(-1)).clamp(min=1e-6)
     kl = (p_k * (logp_k - logq_k)).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
     ce = -logq_k[:, 0]
-    agree = (logits.argmax(-1) == topk_ids[:, 0].long()).float().mean()
-    return (kl + ce_weight * ce).mean(), agree
+    agree = (logits.argmax(-1) == topk_ids[:, 0].long()).float()
+    return kl + ce_weight * ce, agree
 
 
 def batches(
@@ -365,68 +412,35 @@ def batches(
 
 
 def collate(sequences: list[Sequence]) -> tuple[torch.Tensor, ...]:
-    """Right-padded inputs and labels; ``keep`` drops padding and context-only positions."""
+    """Right-padded inputs, and labels for the kept (labelled) positions in row-major order."""
     width = max(len(s.ids) for s in sequences) - 1
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    top_ids = torch.zeros((len(sequences), width, TOP_K), dtype=torch.int32)
-    top_logp = torch.zeros((len(sequences), width, TOP_K), dtype=torch.float16)
     keep = torch.zeros((len(sequences), width), dtype=torch.bool)
     for row, s in enumerate(sequences):
-        n = len(s.ids) - 1
-        ids[row, :n], top_ids[row, :n], top_logp[row, :n] = s.ids[:-1], s.topk_ids, s.topk_logp
-        keep[row, s.loss_start : n] = True
+        ids[row, : len(s.ids) - 1] = s.ids[:-1]
+        keep[row, s.start : len(s.ids) - 1] = True
+    top_ids = torch.cat([s.topk_ids for s in sequences])  # (N, K), N = keep.sum()
+    top_logp = torch.cat([s.topk_logp for s in sequences])
     return ids, top_ids, top_logp, keep
 
 
 def train_step(
     model: LlamaForCausalLM, batch: tuple[torch.Tensor, ...], ce_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per labelled position: (losses (N,), argmax agreement (N,))."""
     ids, top_ids, top_logp, keep = batch
-    # bf16 matmuls (AVX512-BF16) are ~1.5x faster here; the loss itself is float32.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = model.model(input_ids=ids).last_hidden_state[keep]  # (N, d) kept positions
-        logits = model.lm_head(hidden)  # (N, V)
-    return kd_loss(logits, top_ids[keep], top_logp[keep], ce_weight)
+    # float32 on purpose: autocast to bf16 was 40x slower on a CPU without AVX512-BF16.
+    hidden = model.model(input_ids=ids).last_hidden_state[keep]  # (N, d) labelled positions
+    return kd_loss(model.lm_head(hidden), top_ids, top_logp, ce_weight)
 
 
-def prompt_lengths(sequences: list[Sequence], tokenizer: AutoTokenizer) -> list[int]:
-    """For raw-completion HumanEval trajectories, the length of the prompt they continue
-    (0 for every other sequence)."""
-    prompts = [tokenizer(code).input_ids for code in humaneval_prompts("train")]
-    lengths = []
-    for s in sequences:
-        head = s.ids.tolist()
-        matches = [len(p) for p in prompts if head[: len(p)] == p]
-        lengths.append(max(matches) if s.source.startswith("humaneval-completion") else 0)
-    return lengths
-
-
-def training_data(args: argparse.Namespace) -> tuple[list[Sequence], list[Sequence]]:
-    """(train, valid). A few TRAIN-split trajectories are held back to monitor agreement on
-    generated tokens; the HumanEval held-out split is not touched at all.
-
-    A sampled completion shares its prompt with the greedy one, so its prompt positions are
-    context only (the same labels twice would over-weight human-written docstrings, which
-    the draft never has to predict at serving time). Trajectories are repeated
-    ``traj_repeat`` times per epoch: they are the distribution the draft is used on.
-    """
-    rng = random.Random(args.seed)
-    trajectories = load_sequences(CACHE / "trajectories.pt")
-    stdlib = load_sequences(CACHE / "stdlib.pt")
-    _, tokenizer = load_target()
-    lengths = prompt_lengths(trajectories, tokenizer)
-    for s, length in zip(trajectories, lengths, strict=True):
-        if s.source == "humaneval-completion-t0.7":
-            s.loss_start = length - 1
-    greedy = [i for i, s in enumerate(trajectories) if s.source == "humaneval-completion-greedy"]
-    heldback = set(rng.sample(greedy, k=max(4, len(greedy) // 20)))
-    # Agreement on the generated part only, like acceptance at T = 0.
-    valid = [replace(trajectories[i], loss_start=lengths[i] - 1) for i in sorted(heldback)]
-    kept = [s for i, s in enumerate(trajectories) if i not in heldback]
-    return kept * args.traj_repeat + stdlib, valid
-
-
-def new_draft(shape: DraftShape) -> LlamaForCausalLM:
+def new_draft(shape: DraftShape, init: Path | None = None) -> LlamaForCausalLM:
+    """A fresh draft (embedding from the target's PCA), or one continued from ``init``."""
+    if init is not None:
+        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+        if model.config.hidden_size != shape.hidden_size:
+            raise SystemExit(f"{init} is not a {shape} draft")
+        return model
     target, _ = load_target()
     model = LlamaForCausalLM(draft_config(target.config, shape))
     with torch.no_grad():
@@ -439,12 +453,12 @@ def stage_train(args: argparse.Namespace) -> None:
     """Train, saving a resumable snapshot every ``--save-every`` steps."""
     torch.manual_seed(args.seed)
     train, valid = training_data(args)
-    model = new_draft(DraftShape())
+    model = new_draft(DraftShape(), args.init)
     rng = random.Random(args.seed)
     plan = [b for _ in range(args.epochs) for b in batches(train, args.batch_tokens, rng)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(len(plan), warmup=50))
-    positions = sum(len(s.ids) - 1 - s.loss_start for s in train)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(len(plan), warmup=100))
+    positions = sum(len(s.topk_ids) for s in train)
     print(f"train: {len(train)} sequences, {positions} labelled positions, {len(plan)} steps")
     snapshot_path, first_step = CACHE / "draft_train.partial.pt", 1
     if snapshot_path.is_file() and (snap := torch.load(snapshot_path))["plan"] == len(plan):
@@ -456,9 +470,10 @@ def stage_train(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     for step in range(first_step, len(plan) + 1):
         model.train()
-        batch = collate([train[i] for i in plan[step - 1]])
-        loss, agree = train_step(model, batch, args.ce_weight)
-        loss.backward()
+        losses, agree = train_step(
+            model, collate([train[i] for i in plan[step - 1]]), args.ce_weight
+        )
+        losses.mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -466,8 +481,9 @@ def stage_train(args: argparse.Namespace) -> None:
         if step % args.save_every == 0 or step == len(plan):
             minutes = (time.perf_counter() - started) / 60
             print(
-                f"step {step}/{len(plan)} loss {loss.item():.3f} agree {agree.item():.3f} "
-                f"valid-agree {validate(model, valid):.3f} {minutes:.1f} min",
+                f"step {step}/{len(plan)} loss {losses.mean().item():.3f} "
+                f"agree {agree.mean().item():.3f} valid {json.dumps(validate(model, valid))} "
+                f"{minutes:.1f} min",
                 flush=True,
             )
             snap = {
@@ -485,7 +501,7 @@ def stage_train(args: argparse.Namespace) -> None:
         "positions": positions,
         "steps": len(plan),
         "minutes_this_run": (time.perf_counter() - started) / 60,
-        "valid_agree_generated": validate(model, valid),
+        "valid": validate(model, valid),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     (CACHE / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -503,11 +519,28 @@ def warmup_cosine(total: int, warmup: int):
 
 
 @torch.no_grad()
-def validate(model: LlamaForCausalLM, valid: list[Sequence]) -> float:
-    """Argmax agreement with the target on held-back TRAIN-split trajectories."""
+def validate(model: LlamaForCausalLM, valid: list[Sequence], gamma: int = 4) -> dict[str, float]:
+    """On held-back greedy trajectories: argmax agreement with the target, and the accepted
+    draft tokens per block a greedy speculative loop would get (the leading run of
+    agreements from each block start, at most ``gamma``)."""
     model.eval()
-    agree = [train_step(model, collate([s]), 0.0)[1].item() for s in valid]
-    return sum(agree) / max(1, len(agree))
+    agreements, blocks = [], []
+    for s in valid:
+        ids, _, _, keep = collate([s])
+        predicted = model(input_ids=ids).logits[0, keep[0]].argmax(-1)
+        matches = (predicted == s.topk_ids[:, 0].long()).tolist()
+        agreements += matches
+        position = 0
+        while position < len(matches):
+            run = 0
+            while run < gamma and position + run < len(matches) and matches[position + run]:
+                run += 1
+            blocks.append(run)
+            position += run + 1
+    return {
+        "agree": round(sum(agreements) / max(1, len(agreements)), 4),
+        "accepted_per_block": round(sum(blocks) / max(1, len(blocks)), 3),
+    }
 
 
 def stage_export(args: argparse.Namespace) -> None:
@@ -534,38 +567,12 @@ def load_target() -> tuple[PreTrainedModel, AutoTokenizer]:
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def save_sequences(sequences: list[Sequence], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save([as_row(s) for s in sequences], tmp)
-    tmp.rename(path)  # a cached stage output is complete or absent
-
-
 def as_row(sequence: Sequence) -> dict[str, object]:
     """A Sequence as a dict, without dataclasses.asdict's deep copies of the tensors."""
     return {f.name: getattr(sequence, f.name) for f in fields(sequence)}
 
 
-def load_sequences(path: Path) -> list[Sequence]:
-    if not path.is_file():
-        raise SystemExit(f"{path} is missing; run the stage that makes it first")
-    return [Sequence(**row) for row in torch.load(path)]
-
-
-def report_progress(stage: str, done: int, total: int, made: list[Sequence], t0: float) -> None:
-    tokens = sum(len(s.ids) for s in made)
-    print(
-        f"{stage}: {done}/{total} sequences, {tokens} tokens, {time.perf_counter() - t0:.0f} s",
-        flush=True,
-    )
-
-
-STAGES = {
-    "generate": stage_generate,
-    "label": stage_label,
-    "train": stage_train,
-    "export": stage_export,
-}
+STAGES = {"generate": stage_generate, "train": stage_train, "export": stage_export}
 
 
 def main() -> None:
@@ -573,19 +580,19 @@ def main() -> None:
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all")
     parser.add_argument("--out", type=Path, default=COMMITTED_DRAFT_DIR)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="use 1 on a busy machine")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--samples", type=int, default=1, help="T=0.7 samples per prompt")
-    parser.add_argument("--gen-batch", type=int, default=48)
-    parser.add_argument("--stdlib-tokens", type=int, default=100_000)
-    parser.add_argument("--stdlib-length", type=int, default=256)
-    parser.add_argument("--label-batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2, help="use 1 per shard")
+    parser.add_argument("--shard", default="0/1", help="generate: this shard of N, 'k/N'")
+    parser.add_argument("--reverse", action="store_true", help="generate: last batch first")
+    parser.add_argument("--humaneval-samples", type=int, default=4, help="T=0.7 per prompt")
+    parser.add_argument("--source-greedy", type=int, default=3000, help="source prompts")
+    parser.add_argument("--source-sampled", type=int, default=800, help="of the same prompts")
+    parser.add_argument("--copy-share", type=float, default=0.15, help="of training sequences")
+    parser.add_argument("--init", type=Path, default=None, help="train: continue this draft")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--ce-weight", type=float, default=0.5)
-    parser.add_argument("--traj-repeat", type=int, default=2)
-    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--save-every", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in STAGES if args.stage == "all" else [args.stage]:
