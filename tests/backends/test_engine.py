@@ -62,6 +62,24 @@ def test_incremental_logits_equal_full_recompute(
     assert target_lm.length("s") == start
 
 
+def test_cpu_attention_matches_stock_sdpa_under_masks() -> None:
+    """CachedLM swaps in SDPA with grouped-query attention inside the kernel on CPU; the
+    rows it computes (masked: cached prefixes, padded batches) equal stock SDPA's."""
+    model = build_tiny_llama(seed=3)
+    assert model.config._attn_implementation == "sdpa"
+    sequences = [_tokens(10 + i, n) for i, n in enumerate((40, 75, 9))]
+    expected = [full_logits(model, seq) for seq in sequences]  # stock SDPA, no cache
+    lm = CachedLM(model)
+    assert model.config._attn_implementation != "sdpa"
+    for i, seq in enumerate(sequences):
+        lm.open(f"s{i}", seq[:-5])
+    rows = lm.forward_new([(f"s{i}", seq[-5:]) for i, seq in enumerate(sequences)])
+    for got, want in zip(rows, expected, strict=True):
+        assert _max_diff(got, want[-5:]) <= TOLERANCE
+    (single,) = lm.forward_new([("s0", _tokens(99, 3))])  # the unpadded path, masked
+    assert single.shape == (3, TINY_VOCAB)
+
+
 def test_empty_open_then_forward(target_lm: CachedLM, tiny_target_model: LlamaForCausalLM) -> None:
     assert target_lm.open("s", []) is None
     assert target_lm.length("s") == 0
