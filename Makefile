@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install models run test test-fast lint bench sizes dashboard load soak clean
+.PHONY: install models prometheus run test test-fast lint bench sizes dashboard load soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,13 @@ install: $(STAMP) models
 models: $(STAMP)
 	$(BIN)/python -m asymspec.backends.prepare
 
+prometheus:  # the dashboard tests query a real Prometheus (apt-get as root when missing)
+	scripts/ensure_prometheus.sh
+
 run: install
 	scripts/run_local.sh
 
-test: install
+test: install prometheus
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -40,8 +43,7 @@ sizes: $(STAMP)
 bench: install  # every mode x Weak/Medium/Strong through the namespace testbed (root)
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 
-dashboard: $(STAMP)  # refresh loadtest/results/dashboard from a real run
-	scripts/ensure_prometheus.sh
+dashboard: $(STAMP) prometheus  # refresh loadtest/results/dashboard from a real run
 	ASYMSPEC_DASHBOARD_OUT=$(CURDIR)/loadtest/results/dashboard $(BIN)/python -m pytest -q tests/observability/test_dashboards.py -k every_panel
 
 load: $(STAMP)  # Locust against a running edge (make run / docker compose up)
