@@ -308,10 +308,15 @@ class CachedLM:
             template = next((s.keys[i] for s in sessions if s.keys[i] is not None), None)
             if template is not None and l_max > 0:
                 shape = (len(sessions), template.shape[1], capacity, template.shape[3])
-                keys = template.new_zeros(shape)  # [B, H_kv, l_max + n_max, D]
-                values = template.new_zeros(shape)
+                # Uninitialised, then only the left pads zeroed (masked keys must be finite):
+                # the prefixes are copied over and the model writes every position from
+                # l_max on, so zero-filling the whole frame was a fifth of a batch-16 decode.
+                keys = template.new_empty(shape)  # [B, H_kv, l_max + n_max, D]
+                values = template.new_empty(shape)
                 for b, session in enumerate(sessions):
                     k, v, length = session.keys[i], session.values[i], session.length
+                    keys[b, :, : l_max - length] = 0.0
+                    values[b, :, : l_max - length] = 0.0
                     if k is not None and v is not None and length > 0:
                         keys[b, :, l_max - length : l_max] = k[0, :, :length]
                         values[b, :, l_max - length : l_max] = v[0, :, :length]
