@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from draft_greedy_proxy import greedy_blocks  # this folder: scripts run as files
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -530,13 +531,7 @@ def validate(model: LlamaForCausalLM, valid: list[Sequence], gamma: int = 4) -> 
         predicted = model(input_ids=ids).logits[0, keep[0]].argmax(-1)
         matches = (predicted == s.topk_ids[:, 0].long()).tolist()
         agreements += matches
-        position = 0
-        while position < len(matches):
-            run = 0
-            while run < gamma and position + run < len(matches) and matches[position + run]:
-                run += 1
-            blocks.append(run)
-            position += run + 1
+        blocks += greedy_blocks(matches, gamma, len(matches))
     return {
         "agree": round(sum(agreements) / max(1, len(agreements)), 4),
         "accepted_per_block": round(sum(blocks) / max(1, len(blocks)), 3),

@@ -167,8 +167,7 @@ class _RequestState:
             if request.fidelity_budget is not None
             else engine.settings.fidelity_budget
         )
-        params = request.params
-        self.truncated_target = params.is_greedy or params.top_k > 0 or params.top_p < 1.0
+        self.truncated_target = request.params.is_truncated
         self.first_rung = engine.ladder.first_rung(
             topk_hopeless(self.budget.remaining, self.truncated_target)
         )

@@ -174,11 +174,11 @@ def source_prompts(split: Split = "all") -> list[str]:
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'all'")
     found = _all_source_prompts()
+    if split == "all":
+        return [p.prompt for p in found]
     train = [p.prompt for p in found if not is_source_heldout(p.key)]
     if split == "train":
         return train
-    if split == "all":
-        return [p.prompt for p in found]
     heldout, seen = [], set(train)
     for p in found:
         if is_source_heldout(p.key) and p.prompt not in seen:

@@ -54,6 +54,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_truncated(self) -> bool:
+        """The transformed row is zero outside a support (greedy, top-k or top-p), so a
+        large enough top-K holds all of its mass."""
+        return self.is_greedy or self.top_k > 0 or self.top_p < 1.0
+
 
 def transform(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [..., V] -> float32 probabilities [..., V] that are exactly what gets sampled.
