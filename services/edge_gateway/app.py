@@ -23,11 +23,13 @@ from asymspec.backends.draft import DraftModel
 from asymspec.backends.engine import CachedLM
 from asymspec.backends.loading import load_causal_lm
 from edge_gateway.admission import Admission
+from edge_gateway.api_errors import install_error_handlers
+from edge_gateway.api_requests import ApiSettings
 from edge_gateway.channel import CloudChannel
 from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
 from edge_gateway.metrics import EdgeMetrics, metrics_router
-from edge_gateway.openai_api import ApiSettings, build_router, install_error_handlers
+from edge_gateway.openai_api import build_router
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 

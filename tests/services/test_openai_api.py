@@ -26,13 +26,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
+from edge_gateway.api_errors import install_error_handlers
+from edge_gateway.api_requests import ApiSettings
 from edge_gateway.metrics import EdgeMetrics, metrics_router
-from edge_gateway.openai_api import (
-    ApiSettings,
-    EventStream,
-    build_router,
-    install_error_handlers,
-)
+from edge_gateway.openai_api import build_router
+from edge_gateway.sse import EventStream
 from edge_gateway.text import render_chat
 from tests.services.local_engine import LocalEngine, build_test_model, build_test_tokenizer
 
