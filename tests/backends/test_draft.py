@@ -154,6 +154,9 @@ def test_open_needs_a_prompt(draft: DraftModel) -> None:
         ([5, 6, 7, 1, 5, 6], 7),  # "5 6" seen before, then 7
         ([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 9),  # the trigram "1 2 3" wins over the bigram "2 3"
         ([2, 3, 4, 2, 3, 5, 2, 3], 5),  # the latest earlier occurrence of "2 3"
+        ([1, 2, 3, 4, 5, 9, 3, 4, 5, 8, 1, 2, 3, 4, 5], 9),  # the 5-gram over a later 3-gram
+        # n stops at 8: the 9-gram "0 11..18" (then 1) loses to the latest 8-gram (then 2)
+        ([0, *range(11, 19), 1, 7, *range(11, 19), 2, 0, *range(11, 19)], 2),
         ([1, 2, 3, 4], None),  # no suffix repeats
         ([7, 7], None),  # too short for a bigram before the suffix
         ([7, 7, 7], 7),  # overlapping occurrence: "7 7" at 0, followed by 7

@@ -9,7 +9,7 @@ verdict the caller rolls back to the confirmed prefix and sends the newly commit
 
 Copying from the context (``copy_weight`` λ > 0): much of what a code model writes repeats
 its context (names, signatures, its own earlier lines), and a small draft copies badly. So
-when the context's last n tokens (n = 3, else 2) occurred before, the token that followed
+when the context's last n tokens (the longest n of 8 .. 2) occurred before, the token that followed
 their latest earlier occurrence gets λ of the draft's mass: q' = (1 - λ) q + λ·[v = copy]
 (for greedy requests, q' is one-hot at the argmax of that mixture, i.e. the copy when
 λ > 1/2). This is prompt-lookup drafting mixed into the model's distribution. q' is the
@@ -52,10 +52,14 @@ class Draft:
     half_rows: npt.NDArray[np.float16] | None = None  # [γ, V] as uploaded (quantize_half)
 
 
-COPY_NGRAMS = (3, 2)  # suffix lengths tried for a copy, longest first
-# λ of the edge (and of the reference measurements): on held-out HumanEval with the embedded
-# pair, acceptance rose with λ up to here at T = 0.7, and λ > 1/2 makes greedy drafts copy.
-DEFAULT_COPY_WEIGHT = 0.7
+# Suffix lengths tried for a copy, longest first: the longest repeated suffix predicts best.
+# On held-out HumanEval prompts 20-32 with the embedded pair (teacher-forced on the target's
+# greedy text), 8..2 instead of (3, 2) raised greedy agreement 0.647 -> 0.661 and the
+# T = 0.7 acceptance probability sum(min(p, q')) 0.620 -> 0.630 at λ = 0.7.
+COPY_NGRAMS = tuple(range(8, 1, -1))
+# λ of the edge (and of the reference measurements). Same prompts and measure: λ 0.7 -> 0.9
+# raised sum(min(p, q')) 0.630 -> 0.644 (0.95: 0.646); λ > 1/2 makes greedy drafts copy.
+DEFAULT_COPY_WEIGHT = 0.9
 
 
 def copy_candidate(context: npt.NDArray[np.int64]) -> int | None:
