@@ -5,9 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from asymspec.backends.draft import Draft, DraftModel, DraftRequest, copy_candidate, mix_copy
+from asymspec.backends.draft import (
+    COPY_MAX_SUFFIX,
+    COPY_MIN_SUFFIX,
+    Draft,
+    DraftModel,
+    DraftRequest,
+    copy_candidate,
+    mix_copy,
+)
 from asymspec.backends.engine import CachedLM
 from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
 from tests.backends.conftest import TINY_VOCAB, full_logits
@@ -164,6 +174,22 @@ def test_open_needs_a_prompt(draft: DraftModel) -> None:
 )
 def test_copy_candidate_hand_cases(context: list[int], expected: int | None) -> None:
     assert copy_candidate(np.asarray(context, dtype=np.int64)) == expected
+
+
+def _copy_by_definition(context: list[int]) -> int | None:
+    """Longest n first; the latest start s < L - n whose n tokens equal the suffix's."""
+    length = len(context)
+    for n in range(COPY_MAX_SUFFIX, COPY_MIN_SUFFIX - 1, -1):
+        starts = [s for s in range(length - n) if context[s : s + n] == context[length - n :]]
+        if starts:
+            return context[starts[-1] + n]
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40))  # few symbols: many repeats
+def test_copy_candidate_matches_its_definition(context: list[int]) -> None:
+    assert copy_candidate(np.asarray(context, dtype=np.int64)) == _copy_by_definition(context)
 
 
 def test_mix_copy_moves_mass_and_keeps_a_distribution() -> None:
