@@ -9,12 +9,13 @@ verdict the caller rolls back to the confirmed prefix and sends the newly commit
 
 Copying from the context (``copy_weight`` λ > 0): much of what a code model writes repeats
 its context (names, signatures, its own earlier lines), and a small draft copies badly. So
-when the context's last n tokens (the longest n of 8 .. 2) occurred before, the token that followed
-their latest earlier occurrence gets λ of the draft's mass: q' = (1 - λ) q + λ·[v = copy]
-(for greedy requests, q' is one-hot at the argmax of that mixture, i.e. the copy when
-λ > 1/2). This is prompt-lookup drafting mixed into the model's distribution. q' is the
-draft distribution from then on, for the uplink and every correction, so speculative
-decoding stays exact: any q is allowed, as long as both tests use the same one.
+when the context's last n tokens (the longest n of 8 .. 2) occurred before, the token that
+followed their latest earlier occurrence gets λ of the draft's mass:
+q' = (1 - λ) q + λ·[v = copy] (for greedy requests, q' is one-hot at the argmax of that
+mixture, i.e. the copy when λ > 1/2). This is prompt-lookup drafting mixed into the model's
+distribution. q' is the draft distribution from then on, for the uplink and every
+correction, so speculative decoding stays exact: any q is allowed, as long as both tests
+use the same one.
 """
 
 from __future__ import annotations
