@@ -57,11 +57,15 @@ def service_envs(
     common = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cloud = {
         **common,
-        **cloud_env(Path(pair.target), CLOUD_PORT, host="0.0.0.0", shared_secret=secret),
+        # dtype auto: the benchmark measures the default engine (bf16 where the CPU has it).
+        **cloud_env(
+            Path(pair.target), CLOUD_PORT, host="0.0.0.0", shared_secret=secret, dtype="auto"
+        ),
     }
     extra: dict[str, str] = {
         "cloud_url": f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel",
         "shared_secret": secret,
+        "dtype": "auto",
     }
     if pair.max_model_len is not None:
         extra["max_model_len"] = str(pair.max_model_len)

@@ -20,8 +20,8 @@ from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.engine import CachedLM
-from asymspec.backends.loading import load_causal_lm
+from asymspec.backends.hardware import pick_device, resolve_dtype
+from asymspec.backends.loading import load_session_lm
 from asymspec.backends.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
@@ -47,11 +47,14 @@ class CloudState:
 
 
 def load_target(settings: CloudSettings) -> TargetModel:
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-    model, tokenizer = load_causal_lm(settings.target_model, settings.device or None)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TargetModel(CachedLM(model, pad_token_id=int(pad)))
+    threads = settings.resolved_torch_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = settings.device or pick_device()
+    dtype = resolve_dtype(settings.dtype, device)
+    log.info("target on %s in %s, %d torch threads", device, dtype, torch.get_num_threads())
+    lm, _ = load_session_lm(settings.target_model, device, dtype)
+    return TargetModel(lm)
 
 
 async def _load(state: CloudState) -> None:
@@ -62,7 +65,9 @@ async def _load(state: CloudState) -> None:
         state.error = f"{type(exc).__name__}: {exc}"
         return
     s = state.settings
-    state.batcher = Batcher(target, s.max_batch_size, s.max_wait_ms / 1000, state.metrics)
+    state.batcher = Batcher(
+        target, s.max_batch_size, s.max_wait_ms / 1000, state.metrics, s.prefill_chunk_tokens
+    )
     state.batcher.start()
     state.channel = ChannelServer(s, state.batcher, state.metrics)
     channel = state.channel

@@ -3,10 +3,14 @@
 Blocks arrive asynchronously from many requests and edges. The batcher takes whatever has
 arrived (waiting at most max_wait after the first item, up to max_batch_size blocks) and
 verifies it with one target forward, independently of how the blocks were grouped on
-arrival (AsymSpec §IV-C2). Target-only decode steps are batched the same way. Every use of
-the model, prefill, scoring, rollback and session close included, runs on the batcher's
-single worker thread, so the model and its caches have exactly one owner and the event
-loop stays free for the channel.
+arrival (AsymSpec §IV-C2). Target-only decode steps join the same forward, and so do
+prompts: a prompt is prefilled in chunks of at most ``prefill_chunk_tokens`` that share
+each round's forward with the verify and decode work (Sarathi-style chunked prefill), so
+a long prompt never holds the target for seconds while everyone else's blocks wait.
+
+Every use of the model, prefill, scoring, rollback and session close included, runs on the
+batcher's single worker thread, so the model and its caches have exactly one owner and the
+event loop stays free for the channel.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from asymspec.backends.target import ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.wire import VerifyResult
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
@@ -37,19 +41,50 @@ class _Job:
     enqueued_s: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(slots=True)
+class _Prefill:
+    """A prompt being prefilled; owned by the actor loop."""
+
+    job: _Job
+    done: int = 0  # prompt tokens already in the target's cache
+    started: bool = False  # the target's session is open
+
+    @property
+    def total(self) -> int:
+        return len(self.job.session.confirmed) - 1  # the last token is the first block's tail
+
+
+@dataclass(slots=True)
+class _Chunk:
+    prefill: _Prefill
+    start: int
+    end: int
+
+
 class Batcher:
     def __init__(
-        self, target: TargetModel, max_batch_size: int, max_wait_s: float, metrics: CloudMetrics
+        self,
+        target: TargetModel,
+        max_batch_size: int,
+        max_wait_s: float,
+        metrics: CloudMetrics,
+        prefill_chunk_tokens: int = 256,
     ) -> None:
         self.target = target
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.metrics = metrics
+        self._prefilling: list[_Prefill] = []
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="batcher")
@@ -84,22 +119,27 @@ class Batcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            jobs = await self._collect()
+            jobs = await self._collect(wait=not self._prefilling)
             started = time.perf_counter()
+            work = []
             for job in jobs:
-                if job.kind == "verify":  # prefill, decode and close jobs queue too; not counted
+                if job.kind == "prefill":
+                    self._prefilling.append(_Prefill(job))
+                    continue
+                if job.kind == "verify":  # decode and close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
-            outcomes = await loop.run_in_executor(self._worker, self._execute, jobs)
-            for job, (ok, value) in zip(jobs, outcomes, strict=True):
-                if job.future.done():
-                    continue  # the requester went away
-                if ok:
-                    job.future.set_result(value)
-                else:
-                    job.future.set_exception(value)
+                work.append(job)
+            chunks = self._next_chunks()
+            outcomes = await loop.run_in_executor(self._worker, self._execute, work, chunks)
+            for job, (ok, value) in zip(work, outcomes, strict=True):
+                _resolve(job.future, ok, value)
+            self._advance(chunks)
 
-    async def _collect(self) -> list[_Job]:
-        """Block for the first job, then take what arrives within max_wait (up to the cap)."""
+    async def _collect(self, wait: bool) -> list[_Job]:
+        """Block for the first job (unless a prefill is under way, which must go on), then
+        take what arrives within max_wait (up to the cap)."""
+        if not wait and self._queue.empty():
+            return []
         jobs = [await self._queue.get()]
         deadline = time.perf_counter() + self.max_wait_s
         while len(jobs) < self.max_batch_size:
@@ -107,7 +147,7 @@ class Batcher:
                 jobs.append(self._queue.get_nowait())
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            if remaining <= 0 or not wait:
                 break
             try:
                 jobs.append(await asyncio.wait_for(self._queue.get(), remaining))
@@ -115,82 +155,112 @@ class Batcher:
                 break
         return jobs
 
+    def _next_chunks(self) -> list[_Chunk]:
+        """This round's prefill chunks: the oldest prompts first, within the token budget."""
+        budget, chunks = self.prefill_chunk_tokens, []
+        for prefill in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, prefill.total - prefill.done)
+            chunks.append(_Chunk(prefill, prefill.done, prefill.done + take))
+            budget -= take
+        return chunks
+
+    def _advance(self, chunks: list[_Chunk]) -> None:
+        """Record the chunks run; a prompt fully in the cache (or failed) resolves its job."""
+        for chunk in chunks:
+            prefill = chunk.prefill
+            if prefill.job.future.done():  # failed on the worker, or the requester left
+                self._drop(prefill)
+                continue
+            prefill.done = chunk.end
+            if prefill.done >= prefill.total:
+                _resolve(prefill.job.future, True, None)
+                self._drop(prefill)
+
+    def _drop(self, prefill: _Prefill) -> None:
+        if prefill in self._prefilling:
+            self._prefilling.remove(prefill)
+
     # ------------------------------------------------------------------ worker thread
 
-    def _execute(self, jobs: list[_Job]) -> list[tuple[bool, Any]]:
-        """Run one round on the worker thread; per job (ok, result or exception)."""
+    def _execute(self, jobs: list[_Job], chunks: list[_Chunk]) -> list[tuple[bool, Any]]:
+        """Run one round on the worker thread: one forward for the prefill chunks, verify
+        blocks and decode steps, then the closes. Per job (ok, result or exception)."""
         results: dict[int, tuple[bool, Any]] = {}
-        by_kind: dict[JobKind, list[int]] = {"prefill": [], "verify": [], "decode": [], "close": []}
+        live: list[int] = []
         for i, job in enumerate(jobs):
-            by_kind[job.kind].append(i)
+            if job.kind == "close":
+                continue
+            if job.session.closed:
+                results[i] = (False, RuntimeError("session closed"))
+            else:
+                live.append(i)
         with torch.inference_mode():
-            for i in by_kind["prefill"]:
-                results[i] = _guard(self._prefill, jobs[i])
-            self._batch(jobs, by_kind["verify"], self._verify, results)
-            self._batch(jobs, by_kind["decode"], self._decode, results)
-            for i in by_kind["close"]:
-                results[i] = _guard(self._close, jobs[i])
+            prefills = self._start_chunks(chunks)
+            if live or prefills:
+                try:
+                    values = self._forward([jobs[i] for i in live], prefills)
+                    results.update({i: (True, v) for i, v in zip(live, values, strict=True)})
+                except Exception as exc:  # one bad round fails its jobs, never the actor
+                    results.update({i: (False, exc) for i in live})
+                    for chunk in chunks:
+                        _resolve_threadsafe(chunk.prefill.job.future, exc)
+            for i, job in enumerate(jobs):
+                if job.kind == "close":
+                    results[i] = _guard(self._close, job)
         return [results[i] for i in range(len(jobs))]
 
-    def _batch(
-        self,
-        jobs: list[_Job],
-        indices: list[int],
-        run: Callable[[list[_Job]], list[Any]],
-        results: dict[int, tuple[bool, Any]],
-    ) -> None:
-        live = [i for i in indices if not jobs[i].session.closed]
-        for i in set(indices) - set(live):
-            results[i] = (False, RuntimeError("session closed"))
-        if not live:
-            return
-        try:
-            values = run([jobs[i] for i in live])
-            results.update({i: (True, v) for i, v in zip(live, values, strict=True)})
-        except Exception as exc:  # one bad batch fails its jobs, never the actor
-            results.update({i: (False, exc) for i in live})
+    def _start_chunks(self, chunks: list[_Chunk]) -> list[PrefillChunk]:
+        prefills = []
+        for chunk in chunks:
+            prefill, session = chunk.prefill, chunk.prefill.job.session
+            if session.closed:
+                _resolve_threadsafe(prefill.job.future, RuntimeError("session closed"))
+                continue
+            if not prefill.started:
+                self.target.start(session.key)
+                prefill.started = True
+            if chunk.end > chunk.start:
+                prefills.append(
+                    PrefillChunk(session.key, session.confirmed[chunk.start : chunk.end])
+                )
+        return prefills
 
-    def _prefill(self, job: _Job) -> None:
-        started = time.perf_counter()
-        self.target.open(job.session.key, job.session.confirmed)
-        self.metrics.target_forward_seconds.observe(time.perf_counter() - started)
-        self.metrics.target_forward_calls.labels(kind="prefill").inc()
-
-    def _verify(self, jobs: list[_Job]) -> list[VerifyResult]:
-        requests = []
-        for job in jobs:
+    def _forward(self, jobs: list[_Job], prefills: list[PrefillChunk]) -> list[Any]:
+        """The round's one target forward; per job its VerifyResult or decoded token."""
+        scores: list[ScoreRequest] = []
+        steps: list[StepRequest] = []
+        verify_jobs = [job for job in jobs if job.kind == "verify"]
+        decode_jobs = [job for job in jobs if job.kind == "decode"]
+        for job in verify_jobs:
             assert job.block is not None
             pending = job.session.pending_tokens(self.target.length(job.session.key))
             new_tokens = [*pending, *(int(t) for t in job.block.draft_tokens)]
-            requests.append(ScoreRequest(job.session.key, new_tokens, len(job.block.draft_tokens)))
+            scores.append(ScoreRequest(job.session.key, new_tokens, len(job.block.draft_tokens)))
+        for job in decode_jobs:
+            s = job.session
+            pending = s.pending_tokens(self.target.length(s.key))
+            steps.append(StepRequest(s.key, pending, s.params, s.generator))
+        if not (prefills or scores or steps):
+            return []
         started = time.perf_counter()
-        logits = self.target.score(requests)
-        self._observe_forward("verify", len(jobs), started)
-        verdicts = []
-        for job, rows in zip(jobs, logits, strict=True):
+        logits, tokens = self.target.round(prefills, scores, steps)
+        kind = "verify" if scores else "decode" if steps else "prefill"
+        self._observe_forward(kind, len(scores) + len(steps), started)
+        values: dict[int, Any] = {}
+        for job, rows in zip(verify_jobs, logits, strict=True):
             assert job.block is not None
             kept = len(job.session.confirmed)  # the cache now holds confirmed + the drafts
             result, n_accepted = job.session.decide(job.block, rows)
             self.target.commit(job.session.key, kept + n_accepted)
-            verdicts.append(result)
-        self.metrics.verified_blocks.inc(len(jobs))
-        return verdicts
-
-    def _decode(self, jobs: list[_Job]) -> list[int]:
-        requests = []
-        for job in jobs:
-            s = job.session
-            requests.append(
-                StepRequest(
-                    s.key, s.pending_tokens(self.target.length(s.key)), s.params, s.generator
-                )
-            )
-        started = time.perf_counter()
-        tokens = self.target.generate_step(requests)
-        self._observe_forward("decode", len(jobs), started)
-        for job, token in zip(jobs, tokens, strict=True):
+            values[id(job)] = result
+        if verify_jobs:
+            self.metrics.verified_blocks.inc(len(verify_jobs))
+        for job, token in zip(decode_jobs, tokens, strict=True):
             job.session.confirmed.append(token)
-        return tokens
+            values[id(job)] = token
+        return [values[id(job)] for job in jobs]
 
     def _close(self, job: _Job) -> None:
         job.session.closed = True
@@ -199,7 +269,22 @@ class Batcher:
     def _observe_forward(self, kind: str, batch_size: int, started_s: float) -> None:
         self.metrics.target_forward_seconds.observe(time.perf_counter() - started_s)
         self.metrics.target_forward_calls.labels(kind=kind).inc()
-        self.metrics.verify_batch_size.observe(batch_size)
+        if batch_size:  # sequences verified or decoded; a prefill-only forward has none
+            self.metrics.verify_batch_size.observe(batch_size)
+
+
+def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():
+        return  # the requester went away
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _resolve_threadsafe(future: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail a prefill's future from the worker thread (on its event loop)."""
+    future.get_loop().call_soon_threadsafe(_resolve, future, False, exc)
 
 
 def _guard(run: Callable[[_Job], Any], job: _Job) -> tuple[bool, Any]:

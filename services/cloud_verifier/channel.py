@@ -189,8 +189,16 @@ class ChannelServer:
             first_rung=rung_of(msg.first_kind, msg.first_size),
             confirmed=[int(t) for t in msg.prompt_tokens],
         )
+        if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
+            raise WireError(ErrorCode.MALFORMED, "prompt token id outside the vocabulary")
         conn.sessions[msg.session_id] = session
-        await self.batcher.prefill(session)
+        try:
+            await self.batcher.prefill(session)
+        except BaseException:
+            # A failed or abandoned prefill leaves no session behind, on either side.
+            conn.sessions.pop(msg.session_id, None)
+            await asyncio.shield(self.batcher.close(session))
+            raise
         await conn.send(SessionOpened(msg.session_id, len(session.confirmed)))
 
     async def _close(self, conn: _Connection, session_id: int) -> None:

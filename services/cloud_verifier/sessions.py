@@ -105,8 +105,9 @@ class Session:
 
     @property
     def key(self) -> str:
-        """The session's id in the target backend."""
-        return str(self.session_id)
+        """The session's id in the target backend: edges number their sessions on their own,
+        so the cloud's key is (connection, the edge's id) and edges never collide."""
+        return f"{self.owner}:{self.session_id}"
 
     # ------------------------------------------------------------------ admission
 

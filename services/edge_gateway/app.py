@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.draft import DraftModel
-from asymspec.backends.engine import CachedLM
-from asymspec.backends.loading import load_causal_lm
+from asymspec.backends.hardware import pick_device, resolve_dtype
+from asymspec.backends.loading import load_session_lm
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
@@ -57,11 +57,13 @@ class EdgeState:
 
 
 def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-    model, tokenizer = load_causal_lm(settings.draft_model, settings.device or None)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    lm = CachedLM(model, pad_token_id=int(pad))
+    threads = settings.resolved_torch_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = settings.device or pick_device()
+    dtype = resolve_dtype(settings.dtype, device)
+    log.info("draft on %s in %s, %d torch threads", device, dtype, torch.get_num_threads())
+    lm, tokenizer = load_session_lm(settings.draft_model, device, dtype)
     return DraftModel(lm, copy_weight=settings.draft_copy_weight), tokenizer
 
 

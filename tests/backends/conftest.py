@@ -15,7 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asymspec.backends.draft import DraftModel
-from asymspec.backends.engine import CachedLM
+from asymspec.backends.engine import CachedLM, SessionLM
+from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
 
 TINY_VOCAB = 96
@@ -86,16 +88,30 @@ def tiny_draft_model() -> LlamaForCausalLM:
     return build_tiny_llama(seed=1, hidden_size=32)
 
 
-@pytest.fixture
-def target_lm(tiny_target_model: LlamaForCausalLM) -> CachedLM:
-    return CachedLM(tiny_target_model)  # fresh caches per test; the weights are shared
+ENGINES: dict[str, type[CachedLM] | type[LlamaEngine]] = {
+    "CachedLM": CachedLM,  # transformers, the fallback for other architectures
+    "LlamaEngine": LlamaEngine,  # what session_lm picks for these tiny Llamas
+}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+def engine_cls(request: pytest.FixtureRequest) -> type[CachedLM] | type[LlamaEngine]:
+    """Every engine test runs on both engines: they promise the same logits."""
+    return ENGINES[request.param]
 
 
 @pytest.fixture
-def target(target_lm: CachedLM) -> TargetModel:
-    return TargetModel(target_lm)
+def target_lm(
+    engine_cls: type[CachedLM] | type[LlamaEngine], tiny_target_model: LlamaForCausalLM
+) -> SessionLM:
+    return engine_cls(tiny_target_model)  # fresh caches per test; the weights are shared
+
+
+@pytest.fixture
+def target(tiny_target_model: LlamaForCausalLM) -> TargetModel:
+    return TargetModel(session_lm(tiny_target_model))
 
 
 @pytest.fixture
 def draft(tiny_draft_model: LlamaForCausalLM) -> DraftModel:
-    return DraftModel(CachedLM(tiny_draft_model))
+    return DraftModel(session_lm(tiny_draft_model))

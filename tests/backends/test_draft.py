@@ -18,7 +18,7 @@ from asymspec.backends.draft import (
     copy_candidate,
     mix_copy,
 )
-from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import session_lm
 from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
 from tests.backends.conftest import TINY_VOCAB, full_logits
 
@@ -76,7 +76,10 @@ def test_batched_propose_equals_one_at_a_time(tiny_draft_model: LlamaForCausalLM
     """Different prefixes, pending counts and γ (rows finish early) in one batch."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], [10], [20, 21, 22]]
     cuts, gammas = [4, 0, 1], [4, 1, 2]  # prefix lengths; the rest of a prompt is pending
-    together, alone = DraftModel(CachedLM(tiny_draft_model)), DraftModel(CachedLM(tiny_draft_model))
+    together, alone = (
+        DraftModel(session_lm(tiny_draft_model)),
+        DraftModel(session_lm(tiny_draft_model)),
+    )
     for i, prompt in enumerate(prompts):
         together.lm.open(f"s{i}", prompt[: cuts[i]])
         alone.lm.open(f"s{i}", prompt[: cuts[i]])
@@ -97,7 +100,7 @@ def test_batched_propose_equals_one_at_a_time(tiny_draft_model: LlamaForCausalLM
 def test_same_seed_same_block_other_seed_other_block(tiny_draft_model: LlamaForCausalLM) -> None:
     blocks = []
     for seed in (7, 7, 8):
-        model = DraftModel(CachedLM(tiny_draft_model))
+        model = DraftModel(session_lm(tiny_draft_model))
         blocks.append(_propose_one(model, [3, 3, 3], gamma=8, seed=seed))
     assert blocks[0].tokens.tolist() == blocks[1].tokens.tolist()
     assert np.array_equal(blocks[0].probs, blocks[1].probs)
@@ -106,7 +109,7 @@ def test_same_seed_same_block_other_seed_other_block(tiny_draft_model: LlamaForC
 
 def test_rollback_then_propose_equals_a_fresh_draft(tiny_draft_model: LlamaForCausalLM) -> None:
     """After a verdict the draft keeps the confirmed prefix and continues from it."""
-    draft = DraftModel(CachedLM(tiny_draft_model))
+    draft = DraftModel(session_lm(tiny_draft_model))
     prompt = [5, 6, 7, 8]
     first = _propose_one(draft, prompt, gamma=4, params=GREEDY)
     # Verdict: 2 accepted, then a recovered token 42.
@@ -115,7 +118,7 @@ def test_rollback_then_propose_equals_a_fresh_draft(tiny_draft_model: LlamaForCa
     assert draft.length("s") == len(prompt) + 2
     pending = committed[draft.length("s") :]
     again = draft.propose([_request("s", pending, 3, GREEDY)])[0]
-    fresh = DraftModel(CachedLM(tiny_draft_model))
+    fresh = DraftModel(session_lm(tiny_draft_model))
     expected = _propose_one(fresh, committed, gamma=3, params=GREEDY)
     assert again.tokens.tolist() == expected.tokens.tolist()
     assert float((again.rows - expected.rows).abs().max()) <= 1e-4
@@ -205,17 +208,17 @@ def test_mix_copy_moves_mass_and_keeps_a_distribution() -> None:
 def test_copy_weight_drafts_the_copy_and_reports_the_mixed_q(
     tiny_draft_model: LlamaForCausalLM,
 ) -> None:
-    draft = DraftModel(CachedLM(tiny_draft_model), copy_weight=0.8)
+    draft = DraftModel(session_lm(tiny_draft_model), copy_weight=0.8)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]  # "1 4" and "3 1 4" were followed by 1
     greedy = _propose_one(draft, prompt, gamma=3, params=GREEDY)
     assert greedy.tokens.tolist() == [1, 5, 9]  # then "4 1" -> 5, "1 5" -> 9: copying on
     assert (
         greedy.rows[0].tolist() == torch.nn.functional.one_hot(torch.tensor(1), TINY_VOCAB).tolist()
     )
-    sampled = DraftModel(CachedLM(tiny_draft_model), copy_weight=0.8)
+    sampled = DraftModel(session_lm(tiny_draft_model), copy_weight=0.8)
     block = _propose_one(sampled, prompt, gamma=1, params=T1)
     assert float(block.rows[0, 1]) >= 0.8  # λ on the copy, plus the model's own mass
     assert float(block.rows[0].sum()) == pytest.approx(1.0, abs=1e-5)
     assert block.probs[0] == block.rows[0, int(block.tokens[0])]
     with pytest.raises(ValueError, match="copy_weight"):
-        DraftModel(CachedLM(tiny_draft_model), copy_weight=1.0)
+        DraftModel(session_lm(tiny_draft_model), copy_weight=1.0)

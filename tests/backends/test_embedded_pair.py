@@ -16,7 +16,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.draft import DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from asymspec.backends.engine import CachedLM
-from asymspec.backends.loading import load_causal_lm
+from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.loading import load_causal_lm, session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.prompts import humaneval_prompts
 from asymspec.reference import speculative_generate, target_generate
@@ -36,13 +37,13 @@ def _one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def embedded_target() -> Loaded:
     embedded_path(EMBEDDED_TARGET)  # raises ModelNotPrepared ("run make models") if missing
-    return load_causal_lm(EMBEDDED_TARGET, device="cpu")
+    return load_causal_lm(EMBEDDED_TARGET, device="cpu", dtype=torch.float32)  # exact mode
 
 
 @pytest.fixture(scope="module")
 def embedded_draft() -> Loaded:
     embedded_path(EMBEDDED_DRAFT)
-    return load_causal_lm(EMBEDDED_DRAFT, device="cpu")
+    return load_causal_lm(EMBEDDED_DRAFT, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,14 @@ def test_the_pair_shares_one_tokenizer(embedded_target: Loaded, embedded_draft: 
     assert target_tokenizer(text)["input_ids"] == draft_tokenizer(text)["input_ids"]
 
 
+@pytest.mark.parametrize("engine_cls", [CachedLM, LlamaEngine])
 def test_cached_and_batched_scores_equal_recompute(
-    embedded_target: Loaded, heldout_ids: list[list[int]]
+    embedded_target: Loaded,
+    heldout_ids: list[list[int]],
+    engine_cls: type[CachedLM] | type[LlamaEngine],
 ) -> None:
     model = embedded_target[0]
-    batched, alone = CachedLM(model), CachedLM(model)
+    batched, alone = engine_cls(model), engine_cls(model)
     batch = []
     for i, ids in enumerate(heldout_ids):  # prompts of different lengths
         batched.open(f"s{i}", ids[:-5])
@@ -82,11 +86,32 @@ def test_cached_and_batched_scores_equal_recompute(
 def test_greedy_reference_equals_target_only(
     embedded_target: Loaded, embedded_draft: Loaded, heldout_ids: list[list[int]]
 ) -> None:
-    target = TargetModel(CachedLM(embedded_target[0]))
-    draft = DraftModel(CachedLM(embedded_draft[0]))
+    target = TargetModel(session_lm(embedded_target[0]))
+    draft = DraftModel(session_lm(embedded_draft[0]))
+    assert isinstance(target.lm, LlamaEngine) and isinstance(draft.lm, LlamaEngine)
     greedy = SamplingParams(temperature=0.0)
     for ids in heldout_ids[:2]:
         expected = target_generate(target, ids, 16, greedy, seed=0)
         result = speculative_generate(target, draft, ids, 16, 4, greedy, seed=0)
         assert result.tokens == expected.tokens
         assert result.stats.accepted_tokens > 0  # a distilled draft agrees some of the time
+
+
+def test_bf16_engine_tracks_float32(heldout_ids: list[list[int]]) -> None:
+    """The bf16 engine (the default on CPUs with AMX / AVX512-BF16) scores like float32 up
+    to bf16 rounding: same argmax on nearly every row, probabilities within a few percent."""
+    model, _ = load_causal_lm(EMBEDDED_TARGET, device="cpu", dtype=torch.bfloat16)
+    exact_model, _ = load_causal_lm(EMBEDDED_TARGET, device="cpu", dtype=torch.float32)
+    half, exact = LlamaEngine(model), LlamaEngine(exact_model)
+    agree = total = 0
+    for i, ids in enumerate(heldout_ids):
+        half.open(f"s{i}", [])
+        exact.open(f"s{i}", [])
+        (rows,) = half.forward_new([(f"s{i}", ids)])
+        (exact_rows,) = exact.forward_new([(f"s{i}", ids)])
+        probs, exact_probs = torch.softmax(rows, -1), torch.softmax(exact_rows, -1)
+        tv = 0.5 * (probs - exact_probs).abs().sum(-1)  # [n] total variation per row
+        assert float(tv.median()) < 0.05
+        agree += int((rows.argmax(-1) == exact_rows.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total > 0.9

@@ -1,4 +1,5 @@
-"""CachedLM: cached, batched and rolled-back forwards equal recomputing from scratch."""
+"""Both engines (CachedLM, LlamaEngine): cached, batched and rolled-back forwards equal
+recomputing from scratch."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from transformers import (
 )
 
 from asymspec.backends.embedded import EMBEDDED_DRAFT, ModelNotPrepared
-from asymspec.backends.engine import CachedLM
-from asymspec.backends.loading import default_dtype, load_causal_lm, pick_device
+from asymspec.backends.engine import CachedLM, SessionLM
+from asymspec.backends.hardware import cpu_has_native_bf16, pick_device, resolve_dtype
+from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.loading import load_causal_lm, session_lm
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
+
+Engine = type[CachedLM] | type[LlamaEngine]
 
 TOLERANCE = 1e-4  # max abs difference, logits or probabilities
 
@@ -37,7 +42,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_open_returns_the_last_row_of_the_prefill(
-    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+    target_lm: SessionLM, tiny_target_model: LlamaForCausalLM
 ) -> None:
     prompt = _tokens(0, 12)
     last_row = target_lm.open("s", prompt)  # [V]
@@ -47,7 +52,7 @@ def test_open_returns_the_last_row_of_the_prefill(
 
 
 def test_incremental_logits_equal_full_recompute(
-    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+    target_lm: SessionLM, tiny_target_model: LlamaForCausalLM
 ) -> None:
     sequence = _tokens(1, 150)  # long enough to regrow the buffers (64-position quanta)
     target_lm.open("s", sequence[:10])
@@ -80,16 +85,17 @@ def test_cpu_attention_matches_stock_sdpa_under_masks() -> None:
     assert single.shape == (3, TINY_VOCAB)
 
 
-def test_empty_open_then_forward(target_lm: CachedLM, tiny_target_model: LlamaForCausalLM) -> None:
+def test_empty_open_then_forward(target_lm: SessionLM, tiny_target_model: LlamaForCausalLM) -> None:
     assert target_lm.open("s", []) is None
     assert target_lm.length("s") == 0
     (logits,) = target_lm.forward_new([("s", [5, 6, 7])])
     assert _max_diff(logits, full_logits(tiny_target_model, [5, 6, 7])) <= TOLERANCE
 
 
-def test_batch_of_one_appends_in_place(target_lm: CachedLM) -> None:
+def test_batch_of_one_appends_in_place(tiny_target_model: LlamaForCausalLM) -> None:
     """The fast path writes into the session's buffer: the prefix is neither copied nor
     recomputed while the buffer has room (a white-box check of the engine's promise)."""
+    target_lm = CachedLM(tiny_target_model)
     target_lm.open("s", _tokens(2, 10))
     buffer_before = target_lm._session("s").keys[0]
     assert buffer_before is not None
@@ -102,15 +108,17 @@ def test_batch_of_one_appends_in_place(target_lm: CachedLM) -> None:
 # ---------------------------------------------------------------- batching
 
 
-def _open_ragged(lm: CachedLM, prefixes: list[list[int]]) -> None:
+def _open_ragged(lm: SessionLM, prefixes: list[list[int]]) -> None:
     for i, prefix in enumerate(prefixes):
         lm.open(f"s{i}", prefix)
 
 
-def test_batched_forward_equals_unbatched(tiny_target_model: LlamaForCausalLM) -> None:
+def test_batched_forward_equals_unbatched(
+    tiny_target_model: LlamaForCausalLM, engine_cls: Engine
+) -> None:
     prefixes = [_tokens(10, 3), _tokens(11, 40), [], _tokens(12, 17)]  # L_b differ, one empty
     new_tokens = [_tokens(20, 5), _tokens(21, 1), _tokens(22, 3), _tokens(23, 2)]  # n_b differ
-    batched, alone = CachedLM(tiny_target_model), CachedLM(tiny_target_model)
+    batched, alone = engine_cls(tiny_target_model), engine_cls(tiny_target_model)
     _open_ragged(batched, prefixes)
     _open_ragged(alone, prefixes)
     together = batched.forward_new([(f"s{i}", new) for i, new in enumerate(new_tokens)])
@@ -123,9 +131,11 @@ def test_batched_forward_equals_unbatched(tiny_target_model: LlamaForCausalLM) -
     assert batched.forward_calls == len(prefixes) - 1 + 1  # 3 prefills (one empty) + 1 batch
 
 
-def test_batched_rounds_keep_every_cache_right(tiny_target_model: LlamaForCausalLM) -> None:
+def test_batched_rounds_keep_every_cache_right(
+    tiny_target_model: LlamaForCausalLM, engine_cls: Engine
+) -> None:
     """After a batched forward each session's own cache holds exactly its new K/V."""
-    lm = CachedLM(tiny_target_model)
+    lm = engine_cls(tiny_target_model)
     sequences = [_tokens(30, 30), _tokens(31, 30), _tokens(32, 30)]
     cut = [4, 19, 9]  # prefix lengths
     for i, sequence in enumerate(sequences):
@@ -143,7 +153,7 @@ def test_batched_rounds_keep_every_cache_right(tiny_target_model: LlamaForCausal
 
 
 def test_truncate_then_continue_equals_recompute(
-    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+    target_lm: SessionLM, tiny_target_model: LlamaForCausalLM
 ) -> None:
     prompt, rejected, replacement = _tokens(40, 20), _tokens(41, 5), _tokens(42, 3)
     target_lm.open("s", prompt)
@@ -157,7 +167,7 @@ def test_truncate_then_continue_equals_recompute(
 
 
 def test_truncate_to_zero_restarts_the_session(
-    target_lm: CachedLM, tiny_target_model: LlamaForCausalLM
+    target_lm: SessionLM, tiny_target_model: LlamaForCausalLM
 ) -> None:
     target_lm.open("s", _tokens(43, 9))
     target_lm.truncate("s", 0)
@@ -168,7 +178,7 @@ def test_truncate_to_zero_restarts_the_session(
 # ---------------------------------------------------------------- bookkeeping and errors
 
 
-def test_sessions_count_and_idempotent_close(target_lm: CachedLM) -> None:
+def test_sessions_count_and_idempotent_close(target_lm: SessionLM) -> None:
     target_lm.open("a", [1])
     target_lm.open("b", [2, 3])
     assert target_lm.sessions() == 2
@@ -186,7 +196,7 @@ def test_sessions_count_and_idempotent_close(target_lm: CachedLM) -> None:
     ],
 )
 def test_bad_batches_fail_before_touching_state(
-    target_lm: CachedLM, batch: list[tuple[str, list[int]]], error: type[Exception]
+    target_lm: SessionLM, batch: list[tuple[str, list[int]]], error: type[Exception]
 ) -> None:
     target_lm.open("a", [1, 2])
     with pytest.raises(error):
@@ -194,7 +204,7 @@ def test_bad_batches_fail_before_touching_state(
     assert target_lm.length("a") == 2 and target_lm.forward_calls == 1
 
 
-def test_truncate_cannot_grow_and_open_cannot_reopen(target_lm: CachedLM) -> None:
+def test_truncate_cannot_grow_and_open_cannot_reopen(target_lm: SessionLM) -> None:
     target_lm.open("a", [1, 2])
     with pytest.raises(ValueError):
         target_lm.truncate("a", 3)
@@ -202,7 +212,7 @@ def test_truncate_cannot_grow_and_open_cannot_reopen(target_lm: CachedLM) -> Non
         target_lm.open("a", [1])
 
 
-def test_a_failed_prefill_leaves_no_session(target_lm: CachedLM) -> None:
+def test_a_failed_prefill_leaves_no_session(target_lm: SessionLM) -> None:
     with pytest.raises(IndexError):  # a token id outside the vocabulary
         target_lm.open("s", [1, TINY_VOCAB + 5])
     assert target_lm.sessions() == 0
@@ -241,8 +251,9 @@ def _save_checkpoint(folder: Path) -> LlamaForCausalLM:
 
 def test_load_causal_lm_from_a_local_folder(tmp_path: Path) -> None:
     saved = _save_checkpoint(tmp_path)
-    model, tokenizer = load_causal_lm(str(tmp_path), device="cpu")
-    assert not model.training and model.dtype == torch.float32
+    default, _ = load_causal_lm(str(tmp_path), device="cpu")
+    assert not default.training and default.dtype == resolve_dtype("auto", "cpu")
+    model, tokenizer = load_causal_lm(str(tmp_path), device="cpu", dtype=torch.float32)
     ids = tokenizer("w1 w5 w7")["input_ids"]
     assert ids == [1, 5, 7]
     assert _max_diff(full_logits(model, ids), full_logits(saved, ids)) <= TOLERANCE
@@ -267,5 +278,70 @@ def test_hub_ids_stay_offline_unless_allowed(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_device_and_dtype_defaults() -> None:
     assert pick_device() == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert default_dtype("cpu") == torch.float32
-    assert default_dtype("cuda") == torch.bfloat16
+    cpu_default = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", "cpu") == cpu_default
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float32", "cuda") == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float16", "cpu")
+
+
+# ---------------------------------------------------------------- LlamaEngine specifics
+
+
+def test_session_lm_picks_the_llama_engine_and_falls_back() -> None:
+    assert isinstance(session_lm(build_tiny_llama(seed=6)), LlamaEngine)
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+        max_position_embeddings=64,
+    )
+    with pytest.raises(ValueError, match="sliding-window"):
+        LlamaEngine(MistralForCausalLM(config))
+
+
+def test_kv_slot_is_written_in_place_and_rollback_moves_a_length(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    lm = LlamaEngine(tiny_target_model)
+    lm.open("s", _tokens(2, 10))
+    slot = lm._session("s").kv
+    assert slot is not None
+    for token in _tokens(3, 20):
+        lm.forward_new([("s", [token])])
+    lm.truncate("s", 12)
+    lm.forward_new([("s", [1, 2])])
+    after = lm._session("s").kv
+    assert after is not None and after.data_ptr() == slot.data_ptr()  # no copy, no regrowth
+
+
+def test_keep_rows_returns_only_the_trailing_rows(
+    target_lm: SessionLM, tiny_target_model: LlamaForCausalLM
+) -> None:
+    sequences = [_tokens(50, 12), _tokens(51, 30)]
+    target_lm.open("a", sequences[0][:7])
+    target_lm.open("b", sequences[1][:28])
+    rows = target_lm.forward_new(
+        [("a", sequences[0][7:]), ("b", sequences[1][28:])], keep_rows=[2, 0]
+    )
+    assert rows[0].shape == (2, TINY_VOCAB) and rows[1].shape == (0, TINY_VOCAB)
+    expected = full_logits(tiny_target_model, sequences[0])[-2:]
+    assert _max_diff(rows[0], expected) <= TOLERANCE
+    assert target_lm.length("b") == 30  # a prefill chunk: cached, no logits
+
+
+def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM) -> None:
+    import copy
+
+    half = LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16))
+    sequence = _tokens(60, 40)
+    half.open("s", sequence[:30])
+    (rows,) = half.forward_new([("s", sequence[30:])])
+    assert rows.dtype == torch.float32
+    expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
+    assert _max_diff(torch.softmax(rows, -1), expected) <= 0.05

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import session_lm
 from asymspec.backends.target import ScoreRequest, StepRequest, TargetModel
 from asymspec.sampling import SamplingParams, sample, transform
 from tests.backends.conftest import TINY_VOCAB, full_logits
@@ -44,8 +44,8 @@ def test_batched_scores_equal_unbatched(tiny_target_model: LlamaForCausalLM) -> 
     prompts = [[1] * 30, [2, 3], [4, 5, 6, 7, 8, 9]]
     blocks = [[10, 11, 12, 13], [14], [15, 16]]  # γ = 4, 1, 2
     together, alone = (
-        TargetModel(CachedLM(tiny_target_model)),
-        TargetModel(CachedLM(tiny_target_model)),
+        TargetModel(session_lm(tiny_target_model)),
+        TargetModel(session_lm(tiny_target_model)),
     )
     requests = [
         ScoreRequest(f"s{i}", prompt[-1:] + block, len(block))
@@ -93,7 +93,7 @@ def test_generate_step_greedy_follows_the_argmax(
 def test_batched_steps_sample_like_single_steps(tiny_target_model: LlamaForCausalLM) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
-    target = TargetModel(CachedLM(tiny_target_model))
+    target = TargetModel(session_lm(tiny_target_model))
     for i, prompt in enumerate(prompts):
         target.open(f"s{i}", prompt)
     steps = [

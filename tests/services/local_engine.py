@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import session_lm
 from asymspec.backends.target import StepRequest, TargetModel
 from edge_gateway.engine_api import GenerationError, GenerationRequest
 from tests.backends.conftest import build_tiny_llama
@@ -84,7 +84,7 @@ class LocalEngine:
     """
 
     def __init__(self, model: LlamaForCausalLM, tokens_per_chunk: int = 3) -> None:
-        self.target = TargetModel(CachedLM(model))
+        self.target = TargetModel(session_lm(model))
         self.tokens_per_chunk = tokens_per_chunk  # > 1: chunks look like spec-decode blocks
         self.ready = True
         self.step_delay_s = 0.0  # a pause before each chunk (a slow link)

@@ -18,7 +18,7 @@ from scipy import stats
 from transformers import LlamaForCausalLM
 
 from asymspec.backends.draft import DraftModel
-from asymspec.backends.engine import CachedLM
+from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.reference import GenerationResult, speculative_generate, target_generate
 from asymspec.sampling import SamplingParams, transform
@@ -51,7 +51,7 @@ def drafts(target_model: LlamaForCausalLM) -> dict[str, LlamaForCausalLM]:
 def _pair(
     target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM
 ) -> tuple[TargetModel, DraftModel]:
-    return TargetModel(CachedLM(target_model)), DraftModel(CachedLM(draft_model))
+    return TargetModel(session_lm(target_model)), DraftModel(session_lm(draft_model))
 
 
 def _assert_counters_add_up(result: GenerationResult, prompt_len: int) -> None:
@@ -171,8 +171,8 @@ def _exact_joint(model: LlamaForCausalLM, prompt: list[int], params: SamplingPar
 def test_speculative_output_is_distributed_as_the_target(copy_weight: float) -> None:
     target_model = build_tiny_llama(seed=10, hidden_size=32, vocab_size=STAT_VOCAB)
     draft_model = build_tiny_llama(seed=11, hidden_size=32, vocab_size=STAT_VOCAB)
-    target = TargetModel(CachedLM(target_model))
-    draft = DraftModel(CachedLM(draft_model), copy_weight=copy_weight)
+    target = TargetModel(session_lm(target_model))
+    draft = DraftModel(session_lm(draft_model), copy_weight=copy_weight)
     # "1 2" occurred before, followed by 3: with copy_weight > 0 every draft step copies.
     params, prompt = SamplingParams(temperature=1.0), [1, 2, 3, 1, 2]
     counts: Counter[tuple[int, ...]] = Counter()

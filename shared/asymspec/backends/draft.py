@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from asymspec.backends.engine import CachedLM, draw_uniform
+from asymspec.backends.engine import SessionLM, draw_uniform
 from asymspec.sampling import SamplingParams, draft_rows_from_half, sample, transform
 
 
@@ -96,7 +96,7 @@ def mix_copy(q: torch.Tensor, copy: int, weight: float, greedy: bool) -> torch.T
 class DraftModel:
     """Owns the draft LM's per-session caches; one batched forward per draft step."""
 
-    def __init__(self, lm: CachedLM, copy_weight: float = 0.0) -> None:
+    def __init__(self, lm: SessionLM, copy_weight: float = 0.0) -> None:
         if not 0.0 <= copy_weight < 1.0:
             raise ValueError(f"copy_weight must be in [0, 1), got {copy_weight}")
         self.lm = lm
@@ -130,7 +130,8 @@ class DraftModel:
             active = [i for i, r in enumerate(batch) if r.num_draft_tokens > step]
             inputs = [batch[i].pending_tokens if step == 0 else [tokens[i][-1]] for i in active]
             logits = self.lm.forward_new(
-                [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)]
+                [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)],
+                keep_rows=[1] * len(active),
             )
             for i, step_logits in zip(active, logits, strict=True):
                 q = transform(step_logits[-1], batch[i].params).cpu()  # [V]

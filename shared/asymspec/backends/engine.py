@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -38,6 +39,31 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 _CAPACITY_QUANTUM = 64
 
 NewTokens = tuple[str, Sequence[int]]  # (session_id, token ids the session's cache has not seen)
+
+
+class SessionLM(Protocol):
+    """What the draft and target backends need of an engine (``CachedLM``, ``LlamaEngine``)."""
+
+    forward_calls: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def sessions(self) -> int: ...
+
+    def length(self, session_id: str) -> int: ...
+
+    def token_ids(self, session_id: str) -> list[int]: ...
+
+    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None: ...
+
+    def close(self, session_id: str) -> None: ...
+
+    def truncate(self, session_id: str, new_length: int) -> None: ...
+
+    def forward_new(
+        self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
+    ) -> list[torch.Tensor]: ...
 
 
 def _grown(
@@ -228,12 +254,20 @@ class CachedLM:
             raise ValueError(f"cannot truncate a {session.length}-token session to {new_length}")
         del session.token_ids[new_length:]  # the buffers' tail is simply overwritten later
 
-    def forward_new(self, batch: Sequence[NewTokens]) -> list[torch.Tensor]:
+    def forward_new(
+        self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         """One forward over many sessions; appends the new tokens to each session's cache.
 
-        Returns per request the float32 logits [n_new, V]: row j predicts the token after
-        new token j.
+        Returns per request the float32 logits [keep_rows[b], V] of its last rows (default:
+        all n_new rows); the last row predicts the token after the last new token.
         """
+        logits = self._forward_new(batch)
+        if keep_rows is None:
+            return logits
+        return [rows[rows.shape[0] - keep :] for rows, keep in zip(logits, keep_rows, strict=True)]
+
+    def _forward_new(self, batch: Sequence[NewTokens]) -> list[torch.Tensor]:
         if not batch:
             return []
         if len({session_id for session_id, _ in batch}) != len(batch):

@@ -8,6 +8,7 @@ download.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,18 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.embedded import embedded_path, is_embedded
+from asymspec.backends.engine import CachedLM, SessionLM
+from asymspec.backends.hardware import pick_device, resolve_dtype
+from asymspec.backends.llama import LlamaEngine, unsupported_reason
+
+log = logging.getLogger("asymspec.engine")
 
 ALLOW_DOWNLOAD_ENV = "ASYMSPEC_ALLOW_DOWNLOAD"
-
-
-def pick_device() -> str:
-    """CUDA when a GPU is visible, else CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    """bf16 on a GPU (half the memory, tensor cores); fp32 on a CPU, where bf16 is slow."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -50,9 +46,28 @@ def load_causal_lm(
     local_only = not downloads_allowed()
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=dtype or default_dtype(device),
+        dtype=dtype or resolve_dtype("auto", device),
         device_map=device,  # loads straight onto the device, without a CPU copy first
         local_files_only=local_only,
     )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     return model.eval(), tokenizer
+
+
+def session_lm(model: PreTrainedModel, pad_token_id: int = 0) -> SessionLM:
+    """The engine for ``model``: ``LlamaEngine`` for Llama-family decoders, else the
+    transformers-backed ``CachedLM``. The choice is logged."""
+    reason = unsupported_reason(model)
+    if reason is None:
+        return LlamaEngine(model, pad_token_id=pad_token_id)
+    log.info("CachedLM (transformers) for %s: %s", type(model).__name__, reason)
+    return CachedLM(model, pad_token_id=pad_token_id)
+
+
+def load_session_lm(
+    name_or_path: str, device: str | None = None, dtype: torch.dtype | None = None
+) -> tuple[SessionLM, PreTrainedTokenizerBase]:
+    """``load_causal_lm`` wrapped in its engine (``session_lm``)."""
+    model, tokenizer = load_causal_lm(name_or_path, device, dtype)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return session_lm(model, int(pad)), tokenizer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asymspec.backends.engine import CachedLM, draw_uniform
+from asymspec.backends.engine import SessionLM, draw_uniform
 from asymspec.sampling import SamplingParams, sample, transform
 
 
@@ -24,6 +24,14 @@ class ScoreRequest:
     session_id: str
     new_tokens: Sequence[int]  # committed tail (>= 1 token) + the γ draft tokens
     num_draft_tokens: int  # γ: how many of new_tokens are drafts (the rest is the tail)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next prompt tokens of a session being prefilled in chunks (logits not needed)."""
+
+    session_id: str
+    token_ids: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ class StepRequest:
 class TargetModel:
     """Owns the target LM's per-session caches; one forward per batch of blocks."""
 
-    def __init__(self, lm: CachedLM) -> None:
+    def __init__(self, lm: SessionLM) -> None:
         self.lm = lm
 
     @property
@@ -47,11 +55,19 @@ class TargetModel:
         """Target forwards so far, prefills included (SPADE's "target model calls")."""
         return self.lm.forward_calls
 
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.vocab_size
+
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         """Prefill all but the last prompt token, which is the first block's tail."""
         if not prompt_ids:
             raise ValueError("a prompt needs at least one token")
         self.lm.open(session_id, prompt_ids[:-1])
+
+    def start(self, session_id: str) -> None:
+        """Open an empty session, to be prefilled by ``PrefillChunk``s in later rounds."""
+        self.lm.open(session_id, [])
 
     def close(self, session_id: str) -> None:
         self.lm.close(session_id)
@@ -61,11 +77,7 @@ class TargetModel:
 
     def score(self, batch: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Per request the float32 logits [γ+1, V] of p_1 .. p_{γ+1}, in one forward."""
-        for request in batch:
-            if not 0 <= request.num_draft_tokens < len(request.new_tokens):
-                raise ValueError(f"{request.session_id!r}: need a tail of >= 1 token before γ")
-        logits = self.lm.forward_new([(r.session_id, r.new_tokens) for r in batch])
-        return [rows[-(r.num_draft_tokens + 1) :] for r, rows in zip(batch, logits, strict=True)]
+        return self.round([], batch, [])[0]
 
     def commit(self, session_id: str, kept_len: int) -> None:
         """Keep the first ``kept_len`` cached tokens (tail + accepted drafts); drop the rest."""
@@ -73,12 +85,39 @@ class TargetModel:
 
     def next_logits(self, batch: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
         """Per (session_id, pending tokens) the float32 logits [V] after the last of them."""
-        return [rows[-1] for rows in self.lm.forward_new(batch)]
+        return [rows[-1] for rows in self.lm.forward_new(batch, keep_rows=[1] * len(batch))]
 
     def generate_step(self, batch: Sequence[StepRequest]) -> list[int]:
         """Target-only decoding: one batched forward, one sampled token per request."""
-        logits = self.next_logits([(r.session_id, r.pending_tokens) for r in batch])
-        return [
-            sample(transform(row, r.params), draw_uniform(r.generator))
-            for r, row in zip(batch, logits, strict=True)
+        return self.round([], [], batch)[1]
+
+    def round(
+        self,
+        prefills: Sequence[PrefillChunk],
+        scores: Sequence[ScoreRequest],
+        steps: Sequence[StepRequest],
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Prefill chunks, verify blocks and decode steps in **one** forward (Sarathi-style
+        chunked prefill: a long prompt shares forwards instead of stalling everyone).
+
+        Returns the score logits [γ+1, V] per ScoreRequest and a sampled token per step.
+        """
+        for request in scores:
+            if not 0 <= request.num_draft_tokens < len(request.new_tokens):
+                raise ValueError(f"{request.session_id!r}: need a tail of >= 1 token before γ")
+        batch = [
+            *((c.session_id, c.token_ids) for c in prefills),
+            *((r.session_id, r.new_tokens) for r in scores),
+            *((r.session_id, r.pending_tokens) for r in steps),
         ]
+        keep = [0] * len(prefills)  # a prefill chunk's rows are never needed
+        keep += [r.num_draft_tokens + 1 for r in scores]  # the tail's earlier rows: unused
+        keep += [1] * len(steps)
+        logits = self.lm.forward_new(batch, keep_rows=keep)
+        score_rows = logits[len(prefills) : len(prefills) + len(scores)]
+        step_rows = logits[len(prefills) + len(scores) :]
+        tokens = [
+            sample(transform(rows[-1], r.params), draw_uniform(r.generator))
+            for r, rows in zip(steps, step_rows, strict=True)
+        ]
+        return score_rows, tokens

@@ -1,0 +1,92 @@
+"""What the machine can do for a forward: the device, the dtype, and the facts a result
+file records (CPU model and flags, torch threads), because machines here differ.
+
+bf16 is the default where the hardware runs it natively: every CUDA GPU of the last years,
+and CPUs with AMX-BF16 or AVX512-BF16, where oneDNN's bf16 kernels cost a fraction of
+fp32 (``scripts/forward_cost.py``). Elsewhere bf16 is emulated and slower than fp32, so
+fp32 stays the default there. ``float32`` can always be forced (the exact-greedy mode).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+DtypeName = Literal["auto", "bfloat16", "float32"]
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def pick_device() -> str:
+    """CUDA when a GPU is visible, else CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(cpu_flags() & set(BF16_CPU_FLAGS))
+
+
+def resolve_dtype(name: DtypeName | str, device: str | torch.device) -> torch.dtype:
+    """The dtype a setting names; ``auto``: bf16 on CUDA and on bf16-capable CPUs, else fp32."""
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name == "float32":
+        return torch.float32
+    if name != "auto":
+        raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
+    if torch.device(device).type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+Role = Literal["edge", "cloud"]
+
+
+def colocated_threads(role: Role, cpus: int | None = None) -> int:
+    """torch threads for one of the two services when both share this host (``make run``,
+    the compose stack): the cloud's target forward is the bottleneck, so it gets most
+    cores; the draft is ~8x smaller and gets a quarter (at least one). On 2 cores: 1 + 1.
+    Giving both every core made their OpenMP threads fight (4x slower at 16 chats)."""
+    total = cpus or os.cpu_count() or 1
+    edge = max(1, total // 4)
+    return edge if role == "edge" else max(1, total - edge)
+
+
+def machine_facts() -> dict[str, object]:
+    """What every result file records about the machine it ran on."""
+    flags = cpu_flags()
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_bf16_flags": sorted(flags & set(BF16_CPU_FLAGS)),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }

@@ -1,0 +1,368 @@
+"""A decoder engine for Llama-family checkpoints (Llama, SmolLM2, Qwen2, Mistral).
+
+transformers runs one padded batch through a cache object rebuilt per forward, and its
+LM head scores every position. This engine owns the whole forward instead, because on a
+CPU everything beside the matrix products is what made a forward slow:
+
+- **ragged batches**: the new tokens of every session in a batch are laid end to end in
+  one ``[T, hidden]`` matrix, so the projections and the MLP run once for all sessions
+  with no padding to the longest prefix; only attention runs per session, against that
+  session's own cache, with its own causal offset;
+- **KV slots**: each session owns one preallocated ``[layers, 2, H_kv, capacity, D]``
+  tensor; a forward writes its new K/V in place and rollback (``truncate``) only moves a
+  length; capacity grows geometrically and rarely;
+- **logits only where needed**: each batch item says how many trailing rows it needs
+  (γ+1 for a verify block, 1 for a decode step, 0 for a prefill chunk), and only those
+  rows go through the final norm and the LM head;
+- **prepacked bf16 weights** on CPUs with AMX or AVX512-BF16: oneDNN's packed layout
+  (``mkldnn._reorder_linear_weight``) runs the same bf16 products 1.6x faster than
+  ``F.linear`` here (``scripts/forward_cost.py`` records the figures).
+
+The arithmetic is the transformers Llama decoder's (RMSNorm in float32, rotary embedding
+from the model's own ``inv_freq``, SDPA with grouped-query attention), so in float32 the
+logits match transformers to rounding. It has the same interface as ``CachedLM``, which
+stays the fallback for other architectures.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from asymspec.backends.engine import NewTokens
+
+log = logging.getLogger("asymspec.engine")
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+_CAPACITY_QUANTUM = 256  # KV slot capacity grows in multiples of this many positions
+_PACK_BATCH_HINT = 16  # oneDNN picks its packed layout for about this many rows
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """None when this engine can run ``model``; else the reason it cannot (use ``CachedLM``)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not a Llama-family decoder"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    window = getattr(config, "sliding_window", None)
+    sliding = window is not None and getattr(config, "use_sliding_window", True)
+    if sliding and window < config.max_position_embeddings:
+        return f"sliding-window attention ({window} positions)"
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") == "dynamic":
+        return "no static rotary embedding"
+    return None
+
+
+class _Linear:
+    """``y = x W^T (+ b)``, with W prepacked for oneDNN where that is faster."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
+        self.bias = bias
+        self.packed = packed
+        self.weight = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) if packed else weight
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: _Linear  # hidden -> (H + 2 H_kv) D
+    o: _Linear  # H D -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: _Linear  # hidden -> 2 I
+    down: _Linear  # I -> hidden
+    down_in: int  # I
+
+
+@dataclass
+class _Session:
+    token_ids: list[int] = field(default_factory=list)
+    kv: torch.Tensor | None = None  # [layers, 2, H_kv, capacity, D]
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+def _pack_weights(model: PreTrainedModel, dtype: torch.dtype) -> bool:
+    """oneDNN packing pays on CPUs in bf16 (AMX / AVX512-BF16 kernels)."""
+    return (
+        model.device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+class LlamaEngine:
+    """Per-session KV slots and ragged batched forwards over a Llama-family decoder.
+
+    Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it.
+    """
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LlamaEngine cannot run this model: {reason}")
+        config = model.config
+        self.model = model
+        self.pad_token_id = pad_token_id  # unused (no padding); kept for CachedLM's signature
+        self.forward_calls = 0
+        self.dtype = next(model.parameters()).dtype
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
+        self.eps = float(config.rms_norm_eps)
+        self.packed = _pack_weights(model, self.dtype)
+        self._build(model)
+        self._sessions: dict[str, _Session] = {}
+        log.info(
+            "LlamaEngine: %d layers, %s on %s, %s weights",
+            len(self.layers),
+            self.dtype,
+            model.device,
+            "oneDNN-packed" if self.packed else "plain",
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.inference_mode()
+    def _build(self, model: PreTrainedModel) -> None:
+        inner = model.model
+        self.embed = inner.embed_tokens.weight  # [V, hidden]
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv_b = None
+            if attn.q_proj.bias is not None:
+                qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            gate_up_b = None
+            if mlp.gate_proj.bias is not None:
+                gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv=_Linear(qkv_w, qkv_b, self.packed),
+                    o=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.packed),
+                    post_norm=layer.post_attention_layernorm.weight,
+                    gate_up=_Linear(gate_up_w, gate_up_b, self.packed),
+                    down=_Linear(mlp.down_proj.weight, mlp.down_proj.bias, self.packed),
+                    down_in=int(mlp.down_proj.weight.shape[1]),
+                )
+            )
+        self.final_norm = inner.norm.weight
+        self.head = _Linear(model.lm_head.weight, None, self.packed)
+        self.scaling = self.head_dim**-0.5
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()  # [D/2]
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.max_positions = int(model.config.max_position_embeddings)
+        positions = torch.arange(self.max_positions, device=self.inv_freq.device).float()
+        freqs = torch.outer(positions, self.inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    # ------------------------------------------------------------------ sessions
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed.shape[0])
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def length(self, session_id: str) -> int:
+        return self._session(session_id).length
+
+    def token_ids(self, session_id: str) -> list[int]:
+        return list(self._session(session_id).token_ids)
+
+    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Start a session and prefill ``token_ids`` (may be empty); logits [V] after the
+        last token, or None for an empty prefill."""
+        if session_id in self._sessions:
+            raise KeyError(f"session {session_id!r} is already open")
+        self._sessions[session_id] = _Session()
+        if not token_ids:
+            return None
+        try:
+            return self.forward_new([(session_id, token_ids)], keep_rows=[1])[0][-1]
+        except BaseException:
+            del self._sessions[session_id]
+            raise
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def truncate(self, session_id: str, new_length: int) -> None:
+        """Roll back to the first ``new_length`` tokens; the slot's tail is overwritten later."""
+        session = self._session(session_id)
+        if not 0 <= new_length <= session.length:
+            raise ValueError(f"cannot truncate a {session.length}-token session to {new_length}")
+        del session.token_ids[new_length:]
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None
+
+    def _reserve(self, session: _Session, needed: int) -> torch.Tensor:
+        """The session's KV slot with room for ``needed`` positions (grown 1.5x at least)."""
+        kv = session.kv
+        if kv is not None and kv.shape[3] >= needed:
+            return kv
+        old = 0 if kv is None else kv.shape[3]
+        capacity = max(needed, old + old // 2)
+        capacity = -(-capacity // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM
+        shape = (len(self.layers), 2, self.num_kv_heads, capacity, self.head_dim)
+        grown = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if kv is not None and session.length > 0:
+            grown[:, :, :, : session.length] = kv[:, :, :, : session.length]
+        session.kv = grown
+        return grown
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_new(
+        self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """One forward over many sessions; appends the new tokens to each session's cache.
+
+        ``keep_rows[b]``: how many trailing rows of logits item b needs (default: all).
+        Returns per item the float32 logits [keep_rows[b], V]; the last row predicts the
+        token after the item's last new token.
+        """
+        if not batch:
+            return []
+        if len({session_id for session_id, _ in batch}) != len(batch):
+            raise ValueError("a session appears twice in one batch")
+        counts = [len(new_ids) for _, new_ids in batch]
+        keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
+        sessions = [self._session(session_id) for session_id, _ in batch]
+        for (session_id, _), session, n_new, keep in zip(
+            batch, sessions, counts, keeps, strict=True
+        ):
+            if n_new == 0:
+                raise ValueError(f"session {session_id!r}: no new tokens to forward")
+            if not 0 <= keep <= n_new:
+                raise ValueError(f"session {session_id!r}: keep {keep} of {n_new} rows")
+            if session.length + n_new > self.max_positions:
+                raise ValueError(
+                    f"session {session_id!r}: {session.length + n_new} positions exceed "
+                    f"the model's {self.max_positions}"
+                )
+        with torch.inference_mode():
+            logits = self._forward(batch, sessions, counts, keeps)
+        for session, (_, new_ids) in zip(sessions, batch, strict=True):
+            session.token_ids.extend(int(t) for t in new_ids)
+        self.forward_calls += 1
+        return logits
+
+    def _forward(
+        self,
+        batch: Sequence[NewTokens],
+        sessions: list[_Session],
+        counts: list[int],
+        keeps: list[int],
+    ) -> list[torch.Tensor]:
+        device = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        for (_, new_ids), session in zip(batch, sessions, strict=True):
+            ids.extend(int(t) for t in new_ids)
+            positions.extend(range(session.length, session.length + len(new_ids)))
+        position_ids = torch.tensor(positions, device=device)
+        cos = self.cos[position_ids][:, None]  # [T, 1, D]
+        sin = self.sin[position_ids][:, None]
+        # Per session, views into its slot made once per forward, not once per layer (on a
+        # CPU each view costs about a microsecond of Python, and a forward has B x layers).
+        writes, keys, values, masks = [], [], [], []
+        for session, n_new in zip(sessions, counts, strict=True):
+            base, total = session.length, session.length + n_new
+            slot = self._reserve(session, total)  # [layers, 2, H_kv, capacity, D]
+            writes.append(slot[:, :, :, base:total])  # [layers, 2, H_kv, n, D]
+            keys.append(slot[:, 0:1, :, :total])  # [layers, 1, H_kv, base + n, D]
+            values.append(slot[:, 1:2, :, :total])
+            masks.append(self._causal_mask(base, n_new))
+        h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        attn_scale, gqa = self.scaling, h_q != h_kv
+
+        x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._rms_norm(x, layer.input_norm))  # [T, (H + 2 H_kv) D]
+            qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
+            qk = _rotate(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
+            q = qk[:, :h_q].transpose(0, 1)[None]  # [1, H, T, D]
+            kv = torch.stack([qk[:, h_q:], v.view(-1, h_kv, d)]).transpose(1, 2)  # [2, H_kv, T, D]
+            outs = []
+            for b, (q_b, kv_b) in enumerate(
+                zip(q.split(counts, dim=2), kv.split(counts, dim=2), strict=True)
+            ):
+                writes[b][i].copy_(kv_b)
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_b,  # [1, H, n, D]
+                        keys[b][i],  # [1, H_kv, base + n, D]
+                        values[b][i],
+                        attn_mask=masks[b],
+                        scale=attn_scale,
+                        enable_gqa=gqa,
+                    )
+                )
+            attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [1, H, T, D]
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(-1, h_q * d))
+            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+
+        ends = [sum(counts[: b + 1]) for b in range(len(counts))]
+        rows = [r for end, keep in zip(ends, keeps, strict=True) for r in range(end - keep, end)]
+        if not rows:
+            empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+            return [empty for _ in batch]
+        hidden = self._rms_norm(x[torch.tensor(rows, device=device)], self.final_norm)
+        logits = self.head(hidden).float()  # [sum(keeps), V]
+        return list(logits.split(keeps))
+
+    def _causal_mask(self, base: int, n_new: int) -> torch.Tensor | None:
+        """[n, base + n] True = may attend; None for one query (it sees the whole prefix)."""
+        if n_new == 1:
+            return None
+        rows = torch.arange(n_new, device=self.device)[:, None]
+        cols = torch.arange(base + n_new, device=self.device)[None]
+        return cols <= rows + base
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' LlamaRMSNorm: the variance in float32, the scale in the weight's dtype."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (transformers' rotate_half convention). x [T, H, D]; cos, sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
