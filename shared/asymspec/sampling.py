@@ -98,6 +98,36 @@ def _as_float64(row: FloatRow | torch.Tensor) -> npt.NDArray[np.float64]:
     return as_float32(row).astype(np.float64)
 
 
+def transform_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``transform`` of each row [B, V] with its own params; rows that share params go
+    through one call, so a batch of requests costs a few tensor ops, not B."""
+    if len(set(params)) == 1:
+        return transform(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for index, p in enumerate(params):
+        groups.setdefault(p, []).append(index)
+    for p, indices in groups.items():
+        rows = torch.tensor(indices, device=logits.device)
+        out[rows] = transform(logits[rows], p)
+    return out
+
+
+def sample_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """``sample(probs[b], uniforms[b])`` for every row of probs [B, V], in one pass: the
+    same float64 inverse CDF (sequential cumsum, side="right", last token with mass)."""
+    weights = probs.detach().to("cpu", torch.float32).double()  # [B, V] as sample() sees it
+    cdf = torch.cumsum(weights, dim=-1)  # [B, V]
+    total = cdf[:, -1:]  # [B, 1]
+    if not bool((total > 0.0).all()):
+        raise ValueError("cannot sample from a row with no positive mass")
+    u = torch.tensor(uniforms, dtype=torch.float64)[:, None]  # [B, 1]
+    index = torch.searchsorted(cdf, u * total, right=True)[:, 0]  # [B]
+    # u * total can round up to total: fall back to each row's last token with mass.
+    last = weights.shape[-1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(index, last).tolist()
+
+
 def sample(probs: FloatRow | torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from a row of non-negative weights (normalised here) with u in [0, 1)."""
     return int(sample_many(probs, np.array([u], dtype=np.float64))[0])

@@ -18,8 +18,10 @@ from asymspec.sampling import (
     residual,
     sample,
     sample_on_support,
+    sample_rows,
     topk_support,
     transform,
+    transform_rows,
 )
 
 # ---------------------------------------------------------------- sampling transform
@@ -86,6 +88,46 @@ def test_sample_normalises_unnormalised_weights() -> None:
 def test_sample_rejects_an_empty_row() -> None:
     with pytest.raises(ValueError):
         sample(np.zeros(3), 0.5)
+    with pytest.raises(ValueError):
+        sample_rows(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), [0.1, 0.2])
+
+
+def test_sample_rows_hand_cases() -> None:
+    rows = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [2.0, 6.0, 0.0, 0.0, 0.0]])
+    assert sample_rows(rows, [0.25, 0.2]) == [3, 0]  # boundary -> next token; 0.2 * 8 < 2
+    assert sample_rows(rows, [float(np.nextafter(1.0, 0.0)), 0.3]) == [3, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=6),
+    st.sampled_from([0.0, 0.5, 1.0]),
+)
+def test_sample_rows_equals_sample_per_row(seeds: list[int], zero_share: float) -> None:
+    """The vectorized draw is the scalar definition, row by row (same uniforms, same ids)."""
+    rows, uniforms = [], []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        row = torch.rand(300, generator=g)
+        row[torch.rand(300, generator=g) < zero_share * 0.9] = 0.0  # sparse rows, like top-k
+        row[int(torch.randint(0, 300, (), generator=g))] += 0.1  # never all zero
+        rows.append(row / row.sum())
+        uniforms.append(float(torch.rand((), generator=g, dtype=torch.float64)))
+    got = sample_rows(torch.stack(rows), uniforms)
+    assert got == [sample(row, u) for row, u in zip(rows, uniforms, strict=True)]
+
+
+def test_transform_rows_applies_each_rows_params() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+    ]
+    got = transform_rows(logits, params)
+    for row, p, out in zip(logits, params, got, strict=True):
+        assert torch.equal(out, transform(row, p))
 
 
 # ---------------------------------------------------------------- block acceptance

@@ -28,7 +28,7 @@ import numpy.typing as npt
 import torch
 
 from asymspec.backends.engine import SessionLM, draw_uniform
-from asymspec.sampling import SamplingParams, draft_rows_from_half, sample, transform
+from asymspec.sampling import SamplingParams, draft_rows_from_half, sample_rows, transform_rows
 
 
 @dataclass(frozen=True)
@@ -133,16 +133,22 @@ class DraftModel:
                 [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)],
                 keep_rows=[1] * len(active),
             )
-            for i, step_logits in zip(active, logits, strict=True):
-                q = transform(step_logits[-1], batch[i].params).cpu()  # [V]
+            # One transform and one sampling pass for the whole step (a Python loop over
+            # 49k-wide rows was a fifth of the edge's time under load).
+            q_rows = transform_rows(torch.cat(logits), [batch[i].params for i in active]).cpu()
+            for j, i in enumerate(active):
+                q = q_rows[j]  # [V]
                 if self.copy_weight > 0.0:
                     q = self._with_copy(batch[i], q)
                 if batch[i].quantize_half:
                     half = q.half().numpy()  # [V] exactly what goes on the wire
                     halves[i].append(half)
                     q = torch.from_numpy(draft_rows_from_half(half[None])[0])
-                tokens[i].append(sample(q, draw_uniform(batch[i].generator)))
-                rows[i].append(q)
+                q_rows[j] = q
+                rows[i].append(q_rows[j])
+            uniforms = [draw_uniform(batch[i].generator) for i in active]
+            for i, token in zip(active, sample_rows(q_rows, uniforms), strict=True):
+                tokens[i].append(token)
         return [_as_draft(*parts) for parts in zip(tokens, rows, halves, strict=True)]
 
     def _with_copy(self, request: DraftRequest, q: torch.Tensor) -> torch.Tensor:

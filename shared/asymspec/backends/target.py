@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from asymspec.backends.engine import SessionLM, draw_uniform
-from asymspec.sampling import SamplingParams, sample, transform
+from asymspec.sampling import SamplingParams, sample_rows, transform_rows
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,8 @@ class TargetModel:
         logits = self.lm.forward_new(batch, keep_rows=keep)
         score_rows = logits[len(prefills) : len(prefills) + len(scores)]
         step_rows = logits[len(prefills) + len(scores) :]
-        tokens = [
-            sample(transform(rows[-1], r.params), draw_uniform(r.generator))
-            for r, rows in zip(steps, step_rows, strict=True)
-        ]
+        if not steps:
+            return score_rows, []
+        probs = transform_rows(torch.cat(step_rows), [r.params for r in steps])  # [B, V]
+        tokens = sample_rows(probs, [draw_uniform(r.generator) for r in steps])
         return score_rows, tokens

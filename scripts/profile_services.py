@@ -1,0 +1,111 @@
+"""py-spy profiles of both `make run` services under a chat load (the hot path's overhead).
+
+    .venv/bin/python scripts/profile_services.py [--mode asymspec] [--concurrency 16]
+        [--seconds 20] [--out loadtest/results/profiles/NAME]
+
+Starts ``scripts/run_local.sh`` (as ``bench_make_run.py`` does), drives streaming chats at
+the given concurrency, and records ``py-spy`` (from PyPI) on the cloud verifier and the edge
+gateway for ``--seconds`` while the load runs: ``cloud.txt`` / ``edge.txt`` hold the top
+functions by own time and by total time (``py-spy top``-style, from the raw samples), and
+``*.speedscope.json`` the full profiles for speedscope.app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_make_run import CLOUD_PORT, EDGE_PORT, Stack, drive, workload  # noqa: E402
+
+
+def service_pid(port: int) -> int:
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True)
+    return int(out.stdout.split("pid=")[1].split(",")[0])
+
+
+def record(pid: int, seconds: int, raw: Path, speedscope: Path) -> None:
+    spy = str(REPO / ".venv/bin/py-spy")
+    common = ["--pid", str(pid), "--duration", str(seconds), "--rate", "200", "--nonblocking"]
+    raw_proc = subprocess.Popen([spy, "record", *common, "--format", "raw", "-o", str(raw)])
+    raw_proc.wait()
+    del speedscope  # one recording per process: py-spy cannot attach twice at once
+
+
+def summarize(raw: Path, top: int = 25) -> str:
+    """Top functions by own (leaf) samples and by inclusive samples, from py-spy's raw format."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        count = int(count_text)
+        frames = stack.split(";")
+        samples += count
+        own[frames[-1]] += count
+        for frame in set(frames):
+            total[frame] += count
+    lines = [f"{samples} samples", "", "own time (leaf frame):"]
+    lines += [f"{100 * n / samples:6.1f}%  {f}" for f, n in own.most_common(top)]
+    lines += ["", "total time (frame anywhere on the stack):"]
+    lines += [f"{100 * n / samples:6.1f}%  {f}" for f, n in total.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", default="asymspec")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--seconds", type=int, default=15)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stack = Stack(REPO, args.mode, args.out / "services.log")
+    try:
+        stack.wait_ready()
+        asyncio.run(drive(workload(2), 2, 8))
+        pids = {"cloud": service_pid(CLOUD_PORT), "edge": service_pid(EDGE_PORT)}
+        load: dict = {}
+        worker = threading.Thread(
+            target=lambda: load.update(
+                asyncio.run(drive(workload(args.requests), args.concurrency, 64))
+            )
+        )
+        worker.start()
+        time.sleep(2)  # past the first prefills
+        spies = [
+            threading.Thread(
+                target=record,
+                args=(pid, args.seconds, args.out / f"{name}.raw", args.out / f"{name}.json"),
+            )
+            for name, pid in pids.items()
+        ]
+        for spy in spies:
+            spy.start()
+        for spy in spies:
+            spy.join()
+        worker.join()
+        for name in pids:
+            (args.out / f"{name}.txt").write_text(summarize(args.out / f"{name}.raw"))
+        (args.out / "load.json").write_text(json.dumps({**load, **vars(args)}, default=str))
+        print(json.dumps(load))
+    finally:
+        stack.stop()
+        httpx.Client().close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
