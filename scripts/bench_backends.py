@@ -36,8 +36,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
-from asymspec.backends.engine import CachedLM
-from asymspec.backends.loading import load_causal_lm, pick_device
+from asymspec.backends.engine import SessionLM
+from asymspec.backends.hardware import machine_facts, pick_device, resolve_dtype
+from asymspec.backends.loading import load_causal_lm, session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.prompts import humaneval_prompts, render_prompt
 from asymspec.reference import GenerationStats, speculative_generate, target_generate
@@ -49,8 +50,9 @@ DECODE_RATIO_WANTED = 0.25  # (c): draft step / target step
 
 @dataclass
 class Pair:
-    target: CachedLM
-    draft: CachedLM
+    target: SessionLM
+    draft: SessionLM
+    target_model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     load_s: dict[str, float]  # (d)
 
@@ -71,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per measurement")
     parser.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args()
@@ -90,16 +95,18 @@ def load_prompts(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -
 def load_pair(args: argparse.Namespace) -> Pair:
     device = args.device or pick_device()
     start = time.perf_counter()
-    target_model, tokenizer = load_causal_lm(args.target, device)
+    dtype = resolve_dtype(args.dtype, device)
+    target_model, tokenizer = load_causal_lm(args.target, device, dtype)
     middle = time.perf_counter()
-    draft_model, _ = load_causal_lm(args.draft, device)
+    draft_model, _ = load_causal_lm(args.draft, device, dtype)
     end = time.perf_counter()
     if target_model.config.vocab_size != draft_model.config.vocab_size:
         raise SystemExit("the draft and the target must share one vocabulary")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Pair(
-        target=CachedLM(target_model, pad_token_id=pad),
-        draft=CachedLM(draft_model, pad_token_id=pad),
+        target=session_lm(target_model, pad_token_id=pad),
+        draft=session_lm(draft_model, pad_token_id=pad),
+        target_model=target_model,
         tokenizer=tokenizer,
         load_s={"target": middle - start, "draft": end - middle},
     )
@@ -138,7 +145,7 @@ def long_context(prompts: Sequence[list[int]], length: int) -> list[int]:
 def bench_batched_scoring(pair: Pair, context: list[int], gamma: int) -> dict[str, Any]:
     """Sessions of different prefix lengths scored in one forward vs one by one."""
     prefix_lengths = [17, 120, 333, 64, 250]
-    batched, alone = pair.target, CachedLM(pair.target.model)
+    batched, alone = pair.target, session_lm(pair.target_model)
     batch = []
     for i, length in enumerate(prefix_lengths):
         start = 7 * i  # different text per session, not just different lengths
@@ -168,7 +175,7 @@ def bench_batched_scoring(pair: Pair, context: list[int], gamma: int) -> dict[st
 # ---------------------------------------------------------------- (b) verify cost vs prefix
 
 
-def rolled_back_forward(lm: CachedLM, batch: list[tuple[str, list[int]]]) -> Callable[[], None]:
+def rolled_back_forward(lm: SessionLM, batch: list[tuple[str, list[int]]]) -> Callable[[], None]:
     """A forward of ``batch`` that then truncates every session back, so it can repeat."""
     lengths = {session_id: lm.length(session_id) for session_id, _ in batch}
 
@@ -204,7 +211,7 @@ def bench_verify_cost(pair: Pair, context: list[int], gamma: int, repeats: int) 
 
 
 def open_step_sessions(
-    lm: CachedLM, prompts: Sequence[list[int]], batch: int
+    lm: SessionLM, prompts: Sequence[list[int]], batch: int
 ) -> Callable[[], None]:
     """``batch`` sessions with ~100-token prefixes; returns one batched one-token step."""
     requests = []
@@ -339,7 +346,10 @@ def print_generation(e: dict[str, Any]) -> None:
 
 
 def print_report(results: dict[str, Any]) -> None:
-    print(f"device {results['device']}, torch threads {results['threads']}")
+    print(
+        f"device {results['device']}, torch threads {results['threads']}, "
+        f"{results['engine']} in {results['dtype']}"
+    )
     printers: dict[str, Callable[[Any], None]] = {
         "a": print_batched_scoring,
         "b": print_verify_cost,
@@ -373,8 +383,11 @@ def main() -> None:
     results: dict[str, Any] = {
         "target": args.target,
         "draft": args.draft,
-        "device": str(pair.target.device),
+        "device": str(pair.target_model.device),
         "threads": torch.get_num_threads(),
+        "dtype": str(next(pair.target_model.parameters()).dtype),
+        "engine": type(pair.target).__name__,
+        "machine": machine_facts(),
         **run_sections(args, pair, prompts),
     }
     print_report(results)

@@ -71,9 +71,26 @@ class _Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        # oneDNN caches a primitive (~2 MB here) per distinct row count, so ragged batches
+        # of every size grew the cloud's memory without bound: 1 to 400 rows cost 570 MB.
+        # Rows are padded to a few bucket sizes instead; AMX computes 16-row tiles anyway.
+        rows = x.shape[0]
+        bucket = _row_bucket(rows)
+        if bucket != rows:
+            x = F.pad(x, (0, 0, 0, bucket - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out[:rows]
+
+
+def _row_bucket(rows: int) -> int:
+    """16, 32, .., 128, then 192, 256, .., 512 (steps of 64), then powers of two."""
+    if rows <= 128:
+        return -(-rows // 16) * 16
+    if rows <= 512:
+        return -(-rows // 64) * 64
+    return 1 << (rows - 1).bit_length()
 
 
 @dataclass
