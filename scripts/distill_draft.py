@@ -45,13 +45,15 @@ from draft_greedy_proxy import greedy_blocks  # this folder: scripts run as file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
 )
 
 from asymspec.backends.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
+from asymspec.backends.engine import SessionLM
+from asymspec.backends.hardware import resolve_dtype
+from asymspec.backends.loading import session_lm
 from asymspec.backends.prepare import target_dir
 from asymspec.prompts import humaneval_prompts, render_prompt, source_prompts
 
@@ -139,64 +141,52 @@ def labels_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @torch.inference_mode()
 def generate_batch(
-    model: PreTrainedModel,
+    lm: SessionLM,
     prompts: list[list[int]],
     max_new_tokens: int,
     temperature: float,
     generator: torch.Generator,
     eos_id: int,
-    pad_id: int,
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Continue left-padded prompts with the KV cache: per row (new tokens, top-K ids, top-K
-    log p). Rows that finish (EOS) leave the batch, so their compute is not wasted."""
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    hidden = model.model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-    ).last_hidden_state[:, -1]  # (B, d)
-    rows = torch.arange(batch)  # which prompt each live batch row is
+    """Continue the prompts on the serving engine (ragged, no padding; logits for one row
+    per live prompt): per row (new tokens, top-K ids, top-K log p). Rows that finish (EOS)
+    leave the batch, so their compute is not wasted."""
+    sessions = [f"gen{row}" for row in range(len(prompts))]
+    for session in sessions:
+        lm.open(session, [])
+    pending = [list(p) for p in prompts]  # what each session's cache has not seen yet
+    live = list(range(len(prompts)))
     tokens: list[list[int]] = [[] for _ in prompts]
     labels: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        logits = model.lm_head(hidden).float()  # (b, V)
-        top_ids, top_logp = labels_from_logits(logits)
-        if temperature == 0.0:
-            token = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, -1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        for live, row in enumerate(rows.tolist()):
-            tokens[row].append(int(token[live]))
-            labels[row].append((top_ids[live], top_logp[live]))
-        alive = token != eos_id
-        if step == max_new_tokens - 1 or not bool(alive.any()):
-            break
-        if not bool(alive.all()):
-            keep = alive.nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            rows, token, mask, positions = rows[keep], token[keep], mask[keep], positions[keep]
-        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], 1)
-        positions = positions[:, -1:] + 1
-        hidden = model.model(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state[:, -1]  # (b, d)
+    try:
+        for step in range(max_new_tokens):
+            rows = lm.forward_new(
+                [(sessions[r], pending[r]) for r in live], keep_rows=[1] * len(live)
+            )
+            logits = torch.cat(rows)  # (b, V)
+            top_ids, top_logp = labels_from_logits(logits)
+            if temperature == 0.0:
+                token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, -1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            for i, row in enumerate(live):
+                tokens[row].append(int(token[i]))
+                labels[row].append((top_ids[i], top_logp[i]))
+                pending[row] = [int(token[i])]
+            live = [row for i, row in enumerate(live) if int(token[i]) != eos_id]
+            if step == max_new_tokens - 1 or not live:
+                break
+    finally:
+        for session in sessions:
+            lm.close(session)
     return [
         (
             tokens[row],
             torch.stack([i for i, _ in labels[row]]),
             torch.stack([lp for _, lp in labels[row]]),
         )
-        for row in range(batch)
+        for row in range(len(prompts))
     ]
 
 
@@ -252,7 +242,8 @@ def generated_dir(jobs: list[Job], plan: list[list[int]], seed: int) -> Path:
 
 
 def stage_generate(args: argparse.Namespace) -> None:
-    model, tokenizer = load_target()
+    model, tokenizer = load_target(resolve_dtype("auto", "cpu"))  # the serving dtype
+    lm = session_lm(model, int(tokenizer.pad_token_id or 0))
     jobs = training_jobs(tokenizer, args)
     plan = generation_plan(jobs, tokenizer)
     shard, shards = (int(part) for part in args.shard.split("/"))
@@ -270,13 +261,12 @@ def stage_generate(args: argparse.Namespace) -> None:
         prompts = [tokenizer(job.text).input_ids for job in part]
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + number)
         outputs = generate_batch(
-            model,
+            lm,
             prompts,
             part[0].max_new_tokens,
             part[0].temperature,
             generator,
             tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
         )
         rows = []
         for job, prompt, (new, top_ids, top_logp) in zip(part, prompts, outputs, strict=True):
@@ -430,7 +420,8 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per labelled position: (losses (N,), argmax agreement (N,))."""
     ids, top_ids, top_logp, keep = batch
-    # float32 on purpose: autocast to bf16 was 40x slower on a CPU without AVX512-BF16.
+    # float32 on purpose: bf16 autocast *training* measured 40x slower here (that CPU does
+    # list AVX512-BF16 and AMX-BF16; bf16 inference runs on AMX: the slow part is autocast).
     hidden = model.model(input_ids=ids).last_hidden_state[keep]  # (N, d) labelled positions
     return kd_loss(model.lm_head(hidden), top_ids, top_logp, ce_weight)
 
@@ -554,11 +545,11 @@ def stage_export(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- plumbing
 
 
-def load_target() -> tuple[PreTrainedModel, AutoTokenizer]:
+def load_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, AutoTokenizer]:
     path = target_dir()
     if not (path / "config.json").is_file():
         raise SystemExit(f"no target at {path}; run `python -m asymspec.backends.prepare` first")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -6,8 +6,8 @@
 Starts ``scripts/run_local.sh`` (as ``bench_make_run.py`` does), drives streaming chats at
 the given concurrency, and records ``py-spy`` (from PyPI) on the cloud verifier and the edge
 gateway for ``--seconds`` while the load runs: ``cloud.txt`` / ``edge.txt`` hold the top
-functions by own time and by total time (``py-spy top``-style, from the raw samples), and
-``*.speedscope.json`` the full profiles for speedscope.app.
+functions by own time and by total time (from the raw samples), and ``*.raw`` the collapsed
+stacks (flamegraph.pl / speedscope.app read them). ``--repo`` profiles another checkout.
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ def service_pid(port: int) -> int:
     return int(out.stdout.split("pid=")[1].split(",")[0])
 
 
-def record(pid: int, seconds: int, raw: Path, speedscope: Path) -> None:
+def record(pid: int, seconds: int, raw: Path) -> None:
     spy = str(REPO / ".venv/bin/py-spy")
     common = ["--pid", str(pid), "--duration", str(seconds), "--rate", "200", "--nonblocking"]
-    raw_proc = subprocess.Popen([spy, "record", *common, "--format", "raw", "-o", str(raw)])
-    raw_proc.wait()
-    del speedscope  # one recording per process: py-spy cannot attach twice at once
+    subprocess.run([spy, "record", *common, "--format", "raw", "-o", str(raw)], check=True)
 
 
 def summarize(raw: Path, top: int = 25) -> str:
@@ -70,9 +68,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--seconds", type=int, default=15)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--repo", type=Path, default=REPO, help="checkout to profile")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    stack = Stack(REPO, args.mode, args.out / "services.log")
+    stack = Stack(args.repo, args.mode, args.out / "services.log")
     try:
         stack.wait_ready()
         asyncio.run(drive(workload(2), 2, 8))
@@ -88,7 +87,7 @@ def main() -> int:
         spies = [
             threading.Thread(
                 target=record,
-                args=(pid, args.seconds, args.out / f"{name}.raw", args.out / f"{name}.json"),
+                args=(pid, args.seconds, args.out / f"{name}.raw"),
             )
             for name, pid in pids.items()
         ]
