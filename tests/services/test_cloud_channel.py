@@ -219,3 +219,82 @@ def test_wrong_secret_is_refused_and_counted(cloud: Service) -> None:
     with pytest.raises(Exception):  # noqa: B017 - never connects, so wait_connected fails
         with_channel(cloud, body, secret="wrong", connect_timeout_s=2)
     assert metric(cloud, "asymspec_channel_auth_failures_total") > before
+
+
+def test_two_edges_may_use_the_same_session_ids(cloud: Service, greedy_chain: list[int]) -> None:
+    """Edges number their sessions on their own; the cloud keys them per connection."""
+
+    async def body(first: CloudChannel) -> list[VerifyResult]:
+        second = CloudChannel(
+            f"ws://127.0.0.1:{cloud.port}/v1/channel",
+            "s3cret-s3cret",
+            EdgeMetrics.create(CollectorRegistry()),
+        )
+        second.start()
+        try:
+            await second.wait_connected(10)
+            await asyncio.gather(open_greedy(first, 20), open_greedy(second, 20))
+            return list(
+                await asyncio.gather(
+                    first.verify(block_msg(20, 1, len(PROMPT), greedy_chain[:4])),
+                    second.verify(block_msg(20, 1, len(PROMPT), greedy_chain[:3])),
+                )
+            )
+        finally:
+            await second.stop()
+
+    one, two = with_channel(cloud, body)
+    assert one.n_accepted == 4 and one.next_token == greedy_chain[4]
+    assert two.n_accepted == 3 and two.next_token == greedy_chain[3]
+
+
+def test_out_of_vocabulary_prompt_is_refused_and_not_counted(cloud: Service) -> None:
+    async def body(channel: CloudChannel) -> None:
+        before = metric(cloud, "asymspec_cloud_sessions")
+        prompt = np.asarray([5, 17, 10**6], dtype=np.uint32)
+        with pytest.raises(CloudError) as info:
+            await channel.open_session(OpenSession(30, prompt, GREEDY, CorrectionKind.TOPK, 4))
+        assert info.value.code == ErrorCode.MALFORMED
+        assert metric(cloud, "asymspec_cloud_sessions") == before
+        await open_greedy(channel, 30)  # the id is free: nothing half-open stayed behind
+
+    with_channel(cloud, body)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_verification(
+    pair: tuple[Path, Path], tmp_path: Path, greedy_chain: list[int]
+) -> None:
+    """With 16-token chunks a 300-token prompt needs ~19 forwards; a short session's blocks
+    are verified meanwhile (not after it), and the long session's first block is still
+    scored against its whole prompt."""
+    port = free_port()
+    env = cloud_env(pair[0], port, shared_secret="s3cret-s3cret", prefill_chunk_tokens="16")
+    with running("cloud_verifier", port, env, tmp_path) as chunked:
+        long_prompt = np.asarray([(7 * i) % 250 + 5 for i in range(300)], dtype=np.uint32)
+        model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+        long_next = int(full_logits(model, long_prompt.tolist())[-1].argmax())
+
+        async def body(channel: CloudChannel) -> tuple[float, float, VerifyResult]:
+            await open_greedy(channel, 1)
+            started = asyncio.get_running_loop().time()
+            opening = asyncio.create_task(
+                channel.open_session(OpenSession(2, long_prompt, GREEDY, CorrectionKind.TOPK, 4))
+            )
+            await asyncio.sleep(0.05)  # the long prefill is under way
+            await channel.verify(block_msg(1, 1, len(PROMPT), greedy_chain[:2]))
+            short_done = asyncio.get_running_loop().time() - started
+            await opening
+            long_done = asyncio.get_running_loop().time() - started
+            verdict = await channel.verify(block_msg(2, 1, len(long_prompt), [long_next]))
+            return short_done, long_done, verdict
+
+        short_done, long_done, verdict = with_channel(chunked, body)
+        assert short_done < long_done  # verified between the long prompt's chunks
+        assert verdict.n_accepted == 1  # the chunked cache holds the whole prompt
+        lines = httpx.get(f"{chunked.url}/metrics").text.splitlines()
+        forwards = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith("asymspec_target_forward_calls_total{") and 'kind="prefill"' in line
+        )
+        assert forwards >= 10  # ~19 chunk forwards, some shared with the verify
