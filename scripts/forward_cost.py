@@ -83,6 +83,14 @@ def matmul_only_s(engine: LlamaEngine, rows: int) -> float:
     return median_s(run, lambda: None)
 
 
+def read_bandwidth_gb_s(megabytes: int = 256) -> float:
+    """Sustained read bandwidth at this thread count: a sum over a touched buffer larger
+    than the caches' useful share (the roofline's memory side)."""
+    buffer = torch.randn(megabytes * 1024 * 1024 // 4)  # randn touches every page
+    seconds = median_s(lambda: buffer.sum(), lambda: None)
+    return megabytes / 1024 / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=EMBEDDED_TARGET)
@@ -136,6 +144,20 @@ def main() -> None:
                 return float(r["forward_ms"])  # type: ignore[arg-type]
         raise KeyError((engine, dtype, b, n))
 
+    bandwidth = read_bandwidth_gb_s()
+    weight_bytes = {
+        dtype: sum(p.numel() for p in load_causal_lm(args.target, "cpu")[0].parameters())
+        * (2 if dtype == "bfloat16" else 4)
+        for dtype in ("float32", "bfloat16")
+    }
+    report("")
+    report(f"read bandwidth at {args.threads} thread(s): {bandwidth:.1f} GB/s")
+    for dtype, size in weight_bytes.items():
+        floor_ms = 1e3 * size / 1e9 / bandwidth
+        report(
+            f"roofline {dtype}: {size / 1e6:.0f} MB of weights read once per forward -> "
+            f">= {floor_ms:.1f} ms per forward while memory-bound (few rows)"
+        )
     report("")
     for dtype in ("float32", "bfloat16"):
         verify_ratio = ms("LlamaEngine", dtype, 16, 5) / ms("LlamaEngine", dtype, 16, 1)
@@ -146,7 +168,16 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "forward_cost.json").write_text(
-        json.dumps({"machine": facts, "threads": args.threads, "results": results}, indent=2)
+        json.dumps(
+            {
+                "machine": facts,
+                "threads": args.threads,
+                "read_bandwidth_gb_s": round(bandwidth, 2),
+                "weight_bytes": weight_bytes,
+                "results": results,
+            },
+            indent=2,
+        )
     )
     (args.out / "forward_cost.txt").write_text("\n".join(lines) + "\n")
 
