@@ -72,7 +72,10 @@ async def _on_invalid_request(request: Request, exc: Exception) -> Response:
 
 async def _on_generation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GenerationError)
-    return error_response(exc.status_code, exc.message, exc.error_type)
+    response = error_response(exc.status_code, exc.message, exc.error_type)
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:

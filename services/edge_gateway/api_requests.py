@@ -62,7 +62,7 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer: PreTrainedTokenize
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt must not be empty", "prompt")
-        return encode_prompt(tokenizer, prompt)
+        return encode_prompt(tokenizer, checked_text(prompt, "prompt"))
     ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # the batch case was unwrapped
     if not ids:
         raise InvalidRequest("prompt must not be empty", "prompt")
@@ -78,12 +78,12 @@ def _message_text(message: ChatMessage) -> str:
             raise InvalidRequest(f"a {message.role!r} message needs content", "messages")
         return ""
     if isinstance(message.content, str):
-        return message.content
+        return checked_text(message.content, "messages")
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
             raise InvalidRequest(f"unsupported content part type {part.type!r}", "messages")
-        texts.append(part.text)
+        texts.append(checked_text(part.text, "messages"))
     return "\n".join(texts)  # vLLM joins text parts with a newline too
 
 
@@ -131,10 +131,30 @@ def max_new_tokens(
     return requested
 
 
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
-    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+    found = [stop] if isinstance(stop, str) else stop
+    if len(found) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"stop: at most {MAX_STOP_STRINGS} stop sequences, got {len(found)}", "stop"
+        )
+    return [checked_text(s, "stop") for s in found if s]
+
+
+def checked_text(text: str, param: str) -> str:
+    """Text that is valid Unicode: JSON can carry a lone surrogate ("\\ud800"), which no
+    tokenizer can encode; that is the client's error (400), not the server's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{param}: not valid Unicode (a lone surrogate at position {exc.start})", param
+        ) from None
+    return text
 
 
 # Below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf and the

@@ -58,7 +58,8 @@ _NO_TAIL = np.zeros(0, dtype=np.uint32)
 
 
 def _seed(request: GenerationRequest) -> int:
-    return request.seed if request.seed is not None else random.getrandbits(63)
+    """OpenAI's seed is an int64: a negative one travels as the same 64 bits, unsigned."""
+    return request.seed % 2**64 if request.seed is not None else random.getrandbits(63)
 
 
 def _session_ids() -> Iterator[int]:
@@ -75,6 +76,11 @@ def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
 def _cloud_failure(exc: Exception) -> GenerationError:
     if isinstance(exc, ChannelDown):
         return GenerationError(f"cloud verifier unavailable: {exc}", 503, "service_unavailable")
+    if isinstance(exc, CloudError) and exc.code == ErrorCode.OVERLOADED:
+        # The cloud holds as many sessions as it allows this edge: a client should retry.
+        return GenerationError(
+            f"the cloud verifier is at capacity: {exc}", 429, "rate_limit_error", retry_after_s=1
+        )
     return GenerationError(f"cloud verifier error: {exc}", 502, "server_error")
 
 

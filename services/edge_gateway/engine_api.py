@@ -30,11 +30,18 @@ class GenerationRequest:
 class GenerationError(Exception):
     """A failure the API layer reports as an OpenAI error body (also mid-stream)."""
 
-    def __init__(self, message: str, status_code: int = 500, error_type: str = "server_error"):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 500,
+        error_type: str = "server_error",
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.error_type = error_type
+        self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
 
 class Engine(Protocol):

@@ -21,7 +21,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-StopStrings = Annotated[list[str], Field(max_length=4)]
+# The count (at most 4, as OpenAI) is checked in api_requests.stop_strings, whose message
+# names the limit; a max_length here made pydantic report the union's other arm instead.
+StopStrings = list[str]
 
 
 class SamplingFields(BaseModel):

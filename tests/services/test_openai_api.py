@@ -78,7 +78,10 @@ class Harness:
         )
 
     def post(self, path: str, body: Any) -> httpx.Response:
-        return self.http.post(path, json=body)
+        # json.dumps escapes to ASCII, so a lone surrogate travels as "\\ud800", as JSON
+        # allows (httpx's own encoder would refuse to send it).
+        content = json.dumps(body).encode()
+        return self.http.post(path, content=content, headers={"content-type": "application/json"})
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of /metrics by (name, labels without model_name/mode)."""
@@ -477,6 +480,14 @@ BAD_REQUESTS = [
         CMPL_PATH, {"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens", id="no room left"
     ),
     pytest.param(CMPL_PATH, {"prompt": "hi", "stop": list("abcde")}, "stop", id="5 stops"),
+    pytest.param(CMPL_PATH, {"prompt": "a\ud800b"}, "prompt", id="lone surrogate prompt"),
+    pytest.param(
+        CHAT_PATH,
+        {"messages": [{"role": "user", "content": "x\udfffy"}]},
+        "messages",
+        id="lone surrogate message",
+    ),
+    pytest.param(CMPL_PATH, {"prompt": "hi", "stop": ["\ud800"]}, "stop", id="surrogate stop"),
     pytest.param(
         CMPL_PATH,
         {"prompt": "hi", "stream_options": {"include_usage": True}},
@@ -505,6 +516,21 @@ def test_bad_requests_get_a_400_openai_error(
     if param is not None:
         assert error["param"] is not None and error["param"].split(".")[0] == param
     assert len(harness.engine.requests) == before  # refused before the engine
+
+
+def test_too_many_stops_names_the_limit(harness: Harness) -> None:
+    response = harness.post(CMPL_PATH, {"prompt": "hi", "stop": [str(i) for i in range(10)]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "stop: at most 4 stop sequences, got 10"
+
+
+def test_negative_seed_is_an_int64_like_openai(harness: Harness) -> None:
+    """OpenAI's seed is an int64: -1 is valid and names the same 64 bits as 2**64 - 1."""
+    body = {"prompt": "hi", "max_tokens": 8, "temperature": 1.0}
+    negative = harness.post(CMPL_PATH, {**body, "seed": -1})
+    unsigned = harness.post(CMPL_PATH, {**body, "seed": 2**64 - 1})
+    assert negative.status_code == 200 and unsigned.status_code == 200, negative.text
+    assert negative.json()["choices"][0]["text"] == unsigned.json()["choices"][0]["text"]
 
 
 def test_malformed_json_is_a_400(harness: Harness) -> None:

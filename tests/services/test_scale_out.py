@@ -62,3 +62,40 @@ def test_two_edges_share_one_cloud(services: dict[str, Service]) -> None:
     expected = asyncio.run(complete_all(services["ref"], PROMPTS))
     through_a, through_b = asyncio.run(run())
     assert through_a == expected and through_b == expected
+
+
+def test_a_full_cloud_is_a_429_with_retry_after(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The cloud refusing a session (OVERLOADED) is the client's cue to retry, not a 502."""
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair-full"))
+    logs = tmp_path_factory.mktemp("logs-full")
+    cloud_port, edge_port = free_port(), free_port()
+    with (
+        running(
+            "cloud_verifier",
+            cloud_port,
+            cloud_env(target, cloud_port, max_sessions_per_edge="1"),
+            logs,
+        ),
+        running(
+            "edge_gateway",
+            edge_port,
+            edge_env(draft, edge_port, cloud_port, "asymspec", max_model_len="512"),
+            logs,
+        ) as edge,
+    ):
+
+        async def both() -> list[httpx.Response]:
+            body = {"model": "asymspec", "prompt": "The quick brown", "max_tokens": 200,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+                return list(
+                    await asyncio.gather(
+                        *(client.post("/v1/completions", json=body) for _ in range(2))
+                    )
+                )
+
+        responses = asyncio.run(both())
+        assert sorted(r.status_code for r in responses) == [200, 429]
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
