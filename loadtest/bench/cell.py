@@ -101,7 +101,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """Start the services and the driver, wait for the driver's result, stop everything."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    needs_cloud = get_mode(plan.mode).scheduling != "draft"
+    needs_cloud = get_mode(plan.mode).needs_cloud
     cloud_env_, edge_env_ = service_envs(bed, plan.mode, plan.pair, secrets.token_urlsafe(16))
     spec = {
         **plan.driver_spec,

@@ -121,10 +121,10 @@ def breakdown(
     parts = dict.fromkeys(BREAKDOWN, 0.0)
     if requests <= 0:
         return parts
-    scheduling = get_mode(mode).scheduling
-    if scheduling == "draft":
+    operating = get_mode(mode)
+    if operating.is_draft_only:
         parts["draft"] = _mean_of(edge, "asymspec_draft_forward_seconds") * tokens_per_request
-    elif scheduling == "target":
+    elif operating.is_target_only:
         parts["queue"] = _mean_of(cloud, "asymspec_verify_queue_wait_seconds") * tokens_per_request
         parts["verify"] = _mean_of(cloud, "asymspec_target_forward_seconds") * tokens_per_request
     else:

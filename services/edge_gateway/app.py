@@ -69,7 +69,7 @@ def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
 
 async def _start(state: EdgeState) -> None:
     s, mode = state.settings, state.settings.operating_mode
-    if mode.scheduling != "draft":
+    if mode.needs_cloud:
         state.channel = CloudChannel(s.cloud_url, s.shared_secret, state.metrics)
         state.channel.start()
     try:
@@ -78,13 +78,13 @@ async def _start(state: EdgeState) -> None:
         log.exception("loading the draft failed")
         state.error = f"{type(exc).__name__}: {exc}"
         return
-    if mode.scheduling == "target":
+    if mode.is_target_only:
         assert state.channel is not None
         state.engine = TargetOnlyEngine(state.channel, s.cloud_deadline_s)
         return
-    state.scheduler = DraftScheduler(draft, mode.scheduling, s.max_draft_batch, state.metrics)
+    state.scheduler = DraftScheduler(draft, mode, s.max_draft_batch, state.metrics)
     state.scheduler.start()
-    if mode.scheduling == "draft":
+    if mode.is_draft_only:
         state.engine = DraftOnlyEngine(state.scheduler)
     else:
         assert state.channel is not None

@@ -230,7 +230,7 @@ class _RequestState:
         engine.metrics.session_reopens.inc()
 
     async def _one_block(self, gamma: int) -> list[int]:
-        if self.engine.mode.scheduling == "stop-and-wait":
+        if self.engine.mode.waits_alone:
             async with self.engine.scheduler.exclusive:
                 return await self._block(gamma)
         return await self._block(gamma)
@@ -243,7 +243,7 @@ class _RequestState:
                 num_draft_tokens=gamma,
                 params=self.request.params,
                 generator=self.generator,
-                quantize_half=self.engine.mode.uplink == "full",
+                quantize_half=self.engine.mode.uploads_full_rows,
             )
         )
 
@@ -264,7 +264,7 @@ class _RequestState:
             msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
         sent_s = time.perf_counter()
         verdict = asyncio.ensure_future(engine.channel.verify(msg))
-        runahead = self._runahead(draft) if engine.mode.scheduling == "runahead" else None
+        runahead = self._runahead(draft) if engine.mode.runs_ahead else None
         try:
             result = await verdict
         except BaseException:

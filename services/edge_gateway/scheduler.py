@@ -6,7 +6,7 @@ drafts all of them (up to max_batch) in one batched forward per draft step. Whil
 request's block is out for verification the actor keeps drafting the others — never a
 descendant of an unresolved block (AsymSpec §IV-C1).
 
-Scheduling policies (DESIGN.md §4):
+Scheduling policies (the README's "Modes"):
 - pipeline: draft whatever is ready, as soon as it is ready;
 - sync: synchronous rounds, drafting only once every active request has asked, so no
   request starts block k+1 before all finished block k;
@@ -29,15 +29,13 @@ from typing import Any
 import torch
 
 from asymspec.backends.draft import Draft, DraftModel, DraftRequest
-from asymspec.modes import Scheduling
+from asymspec.modes import Mode
 from edge_gateway.metrics import EdgeMetrics
 
 
 class DraftScheduler:
-    def __init__(
-        self, draft: DraftModel, scheduling: Scheduling, max_batch: int, metrics: EdgeMetrics
-    ) -> None:
-        self.draft, self.scheduling, self.max_batch = draft, scheduling, max_batch
+    def __init__(self, draft: DraftModel, mode: Mode, max_batch: int, metrics: EdgeMetrics) -> None:
+        self.draft, self.mode, self.max_batch = draft, mode, max_batch
         self.metrics = metrics
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._ready: list[tuple[DraftRequest, asyncio.Future[Draft]]] = []
@@ -90,7 +88,7 @@ class DraftScheduler:
     def _batch_ready(self) -> bool:
         if not self._ready:
             return False
-        if self.scheduling in ("sync", "runahead"):
+        if self.mode.drafts_in_rounds:
             return len(self._ready) >= min(self._active, self.max_batch)
         return True
 

@@ -117,7 +117,7 @@ class EdgeSettings(BaseSettings):
             topk_steps=self.topk_steps,
             num_proposals=self.num_proposals,
             proposal_rounds=self.proposal_rounds,
-            use_topk=self.operating_mode.correction == "progressive",
+            use_topk=self.operating_mode.uses_topk,
         )
 
     def resolved_torch_threads(self) -> int | None:

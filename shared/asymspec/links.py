@@ -1,4 +1,4 @@
-"""Link profiles between the edge and the cloud, as data (DESIGN.md §5, paper §V-A).
+"""Link profiles between the edge and the cloud, as data (paper §V-A).
 
 Rates are in Mbit/s with 1 Mbit = 10^6 bit, the same unit as tc's `mbit`. The paper gives
 only rates; delay, jitter and loss are optional per run. `delay_ms` is the one-way delay

@@ -1,5 +1,5 @@
-"""The operating modes (DESIGN.md §4): one switch so every baseline and ablation runs on the
-same services and models.
+"""The operating modes: one switch so every baseline and ablation runs on the same services
+and models (the README's "Modes" table).
 
 Three knobs: the uplink (`compact` = token + q(token); `full` = the whole q row per position
 in float16), the correction (`progressive` = top-K certificate -> proposals -> full row;
@@ -26,9 +26,49 @@ class Mode:
     scheduling: Scheduling
     stands_for: str
 
+    # Behaviour switches, named once here instead of string comparisons at every use.
+
     @property
     def speculative(self) -> bool:
         return self.scheduling not in ("target", "draft")
+
+    @property
+    def needs_cloud(self) -> bool:
+        """Everything but draft-only talks to the cloud verifier."""
+        return self.scheduling != "draft"
+
+    @property
+    def is_target_only(self) -> bool:
+        return self.scheduling == "target"
+
+    @property
+    def is_draft_only(self) -> bool:
+        return self.scheduling == "draft"
+
+    @property
+    def uploads_full_rows(self) -> bool:
+        """The whole q row per draft position goes up (float16), as in the baselines."""
+        return self.uplink == "full"
+
+    @property
+    def uses_topk(self) -> bool:
+        """Corrections start with a top-K certificate (the progressive ladder)."""
+        return self.correction == "progressive"
+
+    @property
+    def waits_alone(self) -> bool:
+        """Stop-and-wait: each request drafts and waits alone, no cross-request batching."""
+        return self.scheduling == "stop-and-wait"
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Drafts the next block from the unconfirmed prefix while one is out (PipeInfer)."""
+        return self.scheduling == "runahead"
+
+    @property
+    def drafts_in_rounds(self) -> bool:
+        """Synchronous rounds: draft every active request, send, wait for all results."""
+        return self.scheduling in ("sync", "runahead")
 
 
 MODES: dict[str, Mode] = {

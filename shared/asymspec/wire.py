@@ -1,4 +1,4 @@
-"""Binary wire protocol between the edge gateway and the cloud verifier (DESIGN.md §2).
+"""Binary wire protocol between the edge gateway and the cloud verifier.
 
 One persistent binary channel (a WebSocket) carries frames for many requests; every frame
 is self-describing and independent of the others, so blocks of different sessions interleave.
