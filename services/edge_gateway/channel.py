@@ -69,6 +69,7 @@ class CloudChannel:
         self._connected = asyncio.Event()
         self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[GenerateTokens | Exception]] = {}
+        self._session_bytes: dict[int, tuple[int, int]] = {}  # tracked sessions: (up, down)
         self._task: asyncio.Task[None] | None = None
         self.generation = 0  # bumps on every (re)connect: sessions from before are gone
 
@@ -122,7 +123,7 @@ class CloudChannel:
             await ws.send(frame)
         except websockets.ConnectionClosed as exc:
             raise ChannelDown("the cloud connection closed") from exc
-        self._count("uplink", type(msg).__name__, len(frame))
+        self._count("uplink", type(msg).__name__, len(frame), _frame_session(msg))
 
     async def _request(self, key: Hashable, msg: Message) -> Any:
         if key in self._waiters:
@@ -180,11 +181,30 @@ class CloudChannel:
                 self._count("downlink", "undecodable", len(data))
                 log.error("undecodable frame from the cloud: %s", exc)
                 continue
-            self._count("downlink", type(msg).__name__, len(data))
+            self._count("downlink", type(msg).__name__, len(data), _frame_session(msg))
             self._route(msg)
 
-    def _count(self, direction: str, message: str, n_bytes: int) -> None:
+    def track_session(self, session_id: int) -> None:
+        """Count this session's frames from now on (``session_bytes``)."""
+        self._session_bytes.setdefault(session_id, (0, 0))
+
+    def session_bytes(self, session_id: int) -> tuple[int, int]:
+        """(uplink, downlink) bytes of a tracked session's frames, counted where the link
+        counters are counted, so the per-request figures add up to them."""
+        return self._session_bytes.get(session_id, (0, 0))
+
+    def forget_session(self, session_id: int) -> None:
+        self._session_bytes.pop(session_id, None)
+
+    def _count(
+        self, direction: str, message: str, n_bytes: int, session_id: int | None = None
+    ) -> None:
         """Link bytes as the channel's frames carry them (WebSocket headers not included)."""
+        if session_id is not None and session_id in self._session_bytes:
+            up, down = self._session_bytes[session_id]
+            self._session_bytes[session_id] = (
+                (up + n_bytes, down) if direction == "uplink" else (up, down + n_bytes)
+            )
         self.metrics.link_bytes.labels(direction=direction).inc(n_bytes)
         self.metrics.link_frames.labels(direction=direction).inc()
         self.metrics.link_message_bytes.labels(direction=direction, message=message).inc(n_bytes)
@@ -237,3 +257,12 @@ def _session_of(key: Hashable) -> int | None:
         target = key[1]
         return int(target.session_id) if hasattr(target, "session_id") else int(target)
     return None
+
+
+def _frame_session(msg: Message) -> int | None:
+    """The session a frame belongs to (None for Hello and connection-level errors)."""
+    session_id = getattr(msg, "session_id", None)
+    if session_id is None:
+        block = getattr(msg, "block", None)
+        session_id = getattr(block, "session_id", None)
+    return None if session_id is None else int(session_id)

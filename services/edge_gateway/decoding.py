@@ -126,6 +126,7 @@ class SpeculativeEngine:
         session_id = next(self.session_ids)
         key = str(session_id)
         state = _RequestState(self, request, session_id, seed, config)
+        self.channel.track_session(session_id)
         try:
             await self.channel.wait_connected(self.settings.cloud_deadline_s)
             await asyncio.gather(
@@ -136,6 +137,7 @@ class SpeculativeEngine:
             )
         except (ChannelDown, CloudError) as exc:
             await self._close(session_id, opened_draft=key)
+            self._finish_stats(request, session_id)
             raise _cloud_failure(exc) from exc
         try:
             async for tokens in state.run():
@@ -144,12 +146,20 @@ class SpeculativeEngine:
             raise _cloud_failure(exc) from exc
         finally:
             await self._close(session_id, opened_draft=key)
+            self._finish_stats(request, session_id)
 
     async def _close(self, session_id: int, opened_draft: str) -> None:
+        """Close both sides of a request's session; its link bytes go into its stats."""
         with contextlib.suppress(ChannelDown):
             await self.channel.send(CloseSession(session_id))
         with contextlib.suppress(KeyError):
             await self.scheduler.close(opened_draft)
+
+    def _finish_stats(self, request: GenerationRequest, session_id: int) -> None:
+        request.stats.uplink_bytes, request.stats.downlink_bytes = self.channel.session_bytes(
+            session_id
+        )
+        self.channel.forget_session(session_id)
 
 
 class _RequestState:
@@ -272,6 +282,7 @@ class _RequestState:
                 self.cached += len((await runahead).tokens)
             raise
         metrics.verify_round_trip.observe(time.perf_counter() - sent_s)
+        self.request.stats.verify_round_trips += 1
         new_token = await self._resolve(block, result)
         n = result.n_accepted
         accepted = [int(t) for t in draft.tokens[:n]]
@@ -283,6 +294,7 @@ class _RequestState:
             self.cached = min(self.cached, base_len + n)
             await engine.scheduler.rollback(self.key, self.cached)
         engine.metrics.record_block(gamma, n)
+        self.request.stats.record_block(gamma, n)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
 
@@ -318,6 +330,7 @@ class _RequestState:
             self.tail = []  # the cloud sampled it, so it already has it
             if result.n_accepted < len(block.draft.tokens):
                 self.engine.metrics.corrections.labels(kind="cloud").inc()
+                self.request.stats.record_correction("cloud")
             return result.next_token
         assert result.correction is not None
         correction = Correction(
@@ -336,6 +349,7 @@ class _RequestState:
                 self.tail = [outcome.token]
                 return outcome.token
             self.engine.metrics.correction_rounds.inc()
+            self.request.stats.correction_round_trips += 1
             reply = await self.engine.channel.correct(
                 CorrectionRequest(
                     block.id, _WIRE_KIND[outcome.kind], outcome.size, correction.rung_index
@@ -350,6 +364,7 @@ class _RequestState:
             m.correction_topk_k.observe(outcome.size)
         if outcome.eps:
             m.fidelity_spent.inc(outcome.eps)
+        self.request.stats.record_correction(outcome.kind, outcome.size, outcome.eps or 0.0)
 
 
 def _drop_first(draft: Draft) -> Draft:

@@ -15,6 +15,40 @@ from typing import Protocol
 from asymspec.sampling import SamplingParams
 
 
+@dataclass(slots=True)
+class SpecStats:
+    """One request's speculation, counted where the edge's Prometheus counters are (so the
+    two always agree): returned with the response as vLLM's per-request spec-decode
+    metrics and llama.cpp's ``timings``. Engines fill it in; the API only reads it."""
+
+    blocks: int = 0  # vLLM num_drafts; SGLang spec_verify_ct
+    draft_tokens: int = 0  # vLLM num_draft_tokens; llama.cpp draft_n
+    accepted_tokens: int = 0  # vLLM num_accepted_tokens; llama.cpp draft_n_accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+    corrections: dict[str, int] = field(default_factory=dict)  # topk / proposals / full / cloud
+    max_topk_k: int = 0  # the largest K a top-K certificate was granted at
+    fidelity_spent: float = 0.0  # ε spent by bounded corrections
+    verify_round_trips: int = 0  # verify frames answered (correction rounds not included)
+    correction_round_trips: int = 0
+    uplink_bytes: int = 0  # this request's frames, as asymspec_link_bytes_total counts them
+    downlink_bytes: int = 0
+
+    def record_block(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.blocks += 1
+        self.draft_tokens += num_draft_tokens
+        self.accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.append(0)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def record_correction(self, kind: str, size: int = 0, eps: float = 0.0) -> None:
+        self.corrections[kind] = self.corrections.get(kind, 0) + 1
+        if kind == "topk":
+            self.max_topk_k = max(self.max_topk_k, size)
+        self.fidelity_spent += eps
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
@@ -25,6 +59,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # EOS and friends
     num_draft_tokens: int | None = None  # γ; None = the server's default
     fidelity_budget: float | None = None  # ε_req; None = the server's default
+    stats: SpecStats = field(default_factory=SpecStats, compare=False)  # filled by the engine
 
 
 class GenerationError(Exception):

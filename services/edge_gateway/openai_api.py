@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from edge_gateway.api_errors import InvalidRequest, error_body
@@ -60,7 +59,10 @@ from edge_gateway.schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    RequestMetrics,
     SamplingFields,
+    SpecDecodingStats,
+    Timings,
     Usage,
 )
 from edge_gateway.sse import SSE_DONE, EventStream, close_shielded, sse_event
@@ -70,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 EngineProvider = Callable[[], Engine | None]  # None: not loaded yet (503)
 TokenizerProvider = Callable[[], PreTrainedTokenizerBase | None]
+StreamChunk = CompletionResponse | ChatCompletionChunk
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,6 +93,39 @@ class _Job:
     completion_tokens: int = 0
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)  # the generated ids counted so far
+    started_s: float = 0.0  # the engine was asked
+    first_token_s: float | None = None  # the first generated token was ready
+    finished_s: float | None = None
+
+    def metrics(self) -> RequestMetrics:
+        s = self.request.stats
+        return RequestMetrics(
+            speculative_decoding=SpecDecodingStats(
+                num_drafts=s.blocks,
+                num_draft_tokens=s.draft_tokens,
+                num_accepted_tokens=s.accepted_tokens,
+                num_accepted_tokens_per_pos=list(s.accepted_per_position),
+                corrections=dict(s.corrections),
+                max_topk_k=s.max_topk_k,
+                fidelity_spent=s.fidelity_spent,
+                verify_round_trips=s.verify_round_trips,
+                correction_round_trips=s.correction_round_trips,
+                uplink_bytes=s.uplink_bytes,
+                downlink_bytes=s.downlink_bytes,
+            )
+        )
+
+    def timings(self) -> Timings:
+        first = self.first_token_s if self.first_token_s is not None else self.started_s
+        finished = self.finished_s if self.finished_s is not None else first
+        return Timings(
+            prompt_n=len(self.request.prompt_ids),
+            prompt_ms=round(1e3 * (first - self.started_s), 3),
+            predicted_n=self.completion_tokens,
+            predicted_ms=round(1e3 * (finished - first), 3),
+            draft_n=self.request.stats.draft_tokens,
+            draft_n_accepted=self.request.stats.accepted_tokens,
+        )
 
     def usage(self) -> Usage:
         prompt_tokens = len(self.request.prompt_ids)
@@ -150,6 +186,8 @@ class OpenAIApi:
                 model=job.model,
                 choices=[choice],
                 usage=job.usage(),
+                metrics=job.metrics(),
+                timings=job.timings(),
             ).model_dump()
         )
 
@@ -176,6 +214,8 @@ class OpenAIApi:
                 model=job.model,
                 choices=[choice],
                 usage=job.usage(),
+                metrics=job.metrics(),
+                timings=job.timings(),
             ).model_dump()
         )
 
@@ -258,11 +298,14 @@ class OpenAIApi:
         chunks: AsyncIterator[list[int]] | None = None
         failure = "abort"  # until it finishes or fails: the client left, the task was cancelled
         timer.started(len(request.prompt_ids))
+        job.started_s = time.perf_counter()
         try:
             chunks = engine.generate(request)
             async for ids in chunks:
                 if not ids:
                     continue
+                if job.first_token_s is None:
+                    job.first_token_s = time.perf_counter()
                 shown, stop_token = _split_at_stop_token(ids, request.stop_token_ids)
                 before = detokenizer.num_tokens
                 delta = detokenizer.add(shown)
@@ -295,7 +338,8 @@ class OpenAIApi:
             if failure:
                 timer.failed(failure)
             if chunks is not None:
-                await close_shielded(chunks)
+                await close_shielded(chunks)  # the engine's stats are final after this
+            job.finished_s = time.perf_counter()
 
     @staticmethod
     async def _collect(deltas: AsyncIterator[str]) -> str:
@@ -308,17 +352,21 @@ class OpenAIApi:
     async def _events(
         job: _Job,
         deltas: AsyncIterator[str],
-        chunk: Callable[[str | None, str | None], BaseModel],
-        usage_chunk: Callable[[Usage], BaseModel],
+        chunk: Callable[[str | None, str | None], StreamChunk],
+        usage_chunk: Callable[[Usage], StreamChunk],
     ) -> AsyncIterator[str]:
         """Text deltas as SSE events: ``chunk(text, None)`` per delta, ``chunk(None,
-        finish_reason)`` at the end, the usage chunk if asked for, then [DONE]."""
+        finish_reason)`` at the end, the usage chunk if asked for, then [DONE]. The last
+        data chunk carries the request's speculation stats and timings."""
         try:
             async for delta in deltas:
                 yield sse_event(chunk(delta, None))
-            yield sse_event(chunk(None, job.finish_reason))
+            final = chunk(None, job.finish_reason)
             if job.include_usage:
-                yield sse_event(usage_chunk(job.usage()))
+                yield sse_event(final)
+                final = usage_chunk(job.usage())
+            final.metrics, final.timings = job.metrics(), job.timings()
+            yield sse_event(final)
         except GenerationError as exc:
             yield sse_event(error_body(exc.message, exc.error_type, code=str(exc.status_code)))
         finally:

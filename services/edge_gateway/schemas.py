@@ -88,6 +88,38 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class SpecDecodingStats(BaseModel):
+    """Per-request speculation (vLLM's ``metrics.speculative_decoding`` names where they
+    exist; README "Per-request speculation stats" maps every field)."""
+
+    num_drafts: int  # blocks verified (SGLang: spec_verify_ct)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+    corrections: dict[str, int]  # recovered tokens by how: topk / proposals / full / cloud
+    max_topk_k: int
+    fidelity_spent: float  # ε spent on bounded (top-K) corrections
+    verify_round_trips: int
+    correction_round_trips: int
+    uplink_bytes: int
+    downlink_bytes: int
+
+
+class RequestMetrics(BaseModel):
+    speculative_decoding: SpecDecodingStats
+
+
+class Timings(BaseModel):
+    """llama.cpp server's ``timings`` (draft_n / draft_n_accepted as in its speculative mode)."""
+
+    prompt_n: int
+    prompt_ms: float  # admission until the first generated token was ready
+    predicted_n: int
+    predicted_ms: float  # first generated token until the last
+    draft_n: int
+    draft_n_accepted: int
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -103,6 +135,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: RequestMetrics | None = None  # final response / chunk only
+    timings: Timings | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -124,6 +158,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    metrics: RequestMetrics | None = None  # final response / chunk only
+    timings: Timings | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -140,6 +176,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: RequestMetrics | None = None  # final response / chunk only
+    timings: Timings | None = None
 
 
 class ModelCard(BaseModel):
