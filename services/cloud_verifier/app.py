@@ -15,13 +15,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import torch
 from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.hardware import pick_device, resolve_dtype
-from asymspec.backends.loading import load_session_lm
 from asymspec.backends.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
@@ -47,13 +44,7 @@ class CloudState:
 
 
 def load_target(settings: CloudSettings) -> TargetModel:
-    threads = settings.resolved_torch_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    device = settings.device or pick_device()
-    dtype = resolve_dtype(settings.dtype, device)
-    log.info("target on %s in %s, %d torch threads", device, dtype, torch.get_num_threads())
-    lm, _ = load_session_lm(settings.target_model, device, dtype)
+    lm, _ = settings.load(settings.target_model)
     return TargetModel(lm)
 
 

@@ -14,14 +14,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.draft import DraftModel
-from asymspec.backends.hardware import pick_device, resolve_dtype
-from asymspec.backends.loading import load_session_lm
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
@@ -57,13 +54,7 @@ class EdgeState:
 
 
 def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
-    threads = settings.resolved_torch_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    device = settings.device or pick_device()
-    dtype = resolve_dtype(settings.dtype, device)
-    log.info("draft on %s in %s, %d torch threads", device, dtype, torch.get_num_threads())
-    lm, tokenizer = load_session_lm(settings.draft_model, device, dtype)
+    lm, tokenizer = settings.load(settings.draft_model)
     return DraftModel(lm, copy_weight=settings.draft_copy_weight), tokenizer
 
 

@@ -3,19 +3,22 @@ the mode is the shared ASYMSPEC_MODE)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar
 
 from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from asymspec.backends.draft import DEFAULT_COPY_WEIGHT
 from asymspec.backends.embedded import EMBEDDED_DRAFT
-from asymspec.backends.hardware import colocated_threads
+from asymspec.backends.hardware import Role
 from asymspec.correction import Ladder
 from asymspec.modes import MODES, Mode, get_mode
+from asymspec.runtime_settings import RuntimeSettings
 
 
-class EdgeSettings(BaseSettings):
+class EdgeSettings(RuntimeSettings):
+    role: ClassVar[Role] = "edge"
+
     model_config = SettingsConfigDict(env_prefix="ASYMSPEC_EDGE_", extra="ignore")
 
     mode: str = Field(
@@ -41,24 +44,6 @@ class EdgeSettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body.")
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
-    device: str = Field("", description="torch device; empty = CUDA when present, else CPU.")
-    torch_threads: int = Field(
-        0,
-        ge=0,
-        description="torch intra-op threads; 0 = automatic: a share of the cores when "
-        "ASYMSPEC_COLOCATED is set (edge and cloud on one host), else torch's default.",
-    )
-    colocated: bool = Field(
-        False,
-        validation_alias=AliasChoices("ASYMSPEC_COLOCATED", "colocated"),
-        description="The edge and the cloud share this host (make run, compose): split the "
-        "cores between them instead of both taking all.",
-    )
-    dtype: Literal["auto", "bfloat16", "float32"] = Field(
-        "auto",
-        description="Model dtype: auto = bf16 on CUDA and on CPUs with AMX-BF16 or "
-        "AVX512-BF16, else float32; float32 keeps greedy output identical to the target's.",
-    )
     num_draft_tokens: int = Field(4, ge=1, le=16, description="Default γ per block.")
     draft_copy_weight: float = Field(
         DEFAULT_COPY_WEIGHT,
@@ -119,9 +104,3 @@ class EdgeSettings(BaseSettings):
             proposal_rounds=self.proposal_rounds,
             use_topk=self.operating_mode.uses_topk,
         )
-
-    def resolved_torch_threads(self) -> int | None:
-        """The thread count to set, or None to keep torch's default."""
-        if self.torch_threads:
-            return self.torch_threads
-        return colocated_threads("edge") if self.colocated else None

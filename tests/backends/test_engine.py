@@ -219,7 +219,7 @@ def test_a_failed_prefill_leaves_no_session(target_lm: SessionLM) -> None:
     target_lm.open("s", [1, 2])  # the id is free again
 
 
-def test_sliding_window_models_are_refused() -> None:
+def _sliding_window_mistral() -> MistralForCausalLM:
     config = MistralConfig(
         vocab_size=32,
         hidden_size=32,
@@ -228,9 +228,16 @@ def test_sliding_window_models_are_refused() -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         sliding_window=16,
+        max_position_embeddings=64,
     )
+    return MistralForCausalLM(config)
+
+
+def test_sliding_window_models_are_refused() -> None:
     with pytest.raises(ValueError, match="full-attention"):
-        CachedLM(MistralForCausalLM(config))
+        CachedLM(_sliding_window_mistral())
+    with pytest.raises(ValueError, match="sliding-window"):
+        LlamaEngine(_sliding_window_mistral())
 
 
 # ---------------------------------------------------------------- loading
@@ -289,20 +296,8 @@ def test_device_and_dtype_defaults() -> None:
 # ---------------------------------------------------------------- LlamaEngine specifics
 
 
-def test_session_lm_picks_the_llama_engine_and_falls_back() -> None:
+def test_session_lm_picks_the_llama_engine_for_llamas() -> None:
     assert isinstance(session_lm(build_tiny_llama(seed=6)), LlamaEngine)
-    config = MistralConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=16,
-        max_position_embeddings=64,
-    )
-    with pytest.raises(ValueError, match="sliding-window"):
-        LlamaEngine(MistralForCausalLM(config))
 
 
 def test_kv_slot_is_written_in_place_and_rollback_moves_a_length(
