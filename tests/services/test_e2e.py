@@ -160,15 +160,24 @@ def test_first_three_tokens_follow_the_target(
     joint = exact_joint(pair[0], SamplingParams(temperature=1.0, top_k=top_k), 3)
     counts = asyncio.run(sample_first_tokens(edges[mode], n, top_k))
     assert sum(counts.values()) == n and set(counts) <= set(joint)
-    cells = sorted(joint)
-    expected = np.array([joint[c] for c in cells]) * n
+    assert chi_square_pvalue(joint, counts) > 0.001
+
+
+def chi_square_pvalue(
+    joint: dict[tuple[int, ...], float], counts: Counter[tuple[int, ...]]
+) -> float:
+    """Pearson's χ² of the observed sequences against the exact joint; cells expected
+    fewer than 5 times are pooled into one."""
+    n = sum(counts.values())
+    cells = sorted(set(joint) | set(counts))
+    expected = np.array([joint.get(c, 0.0) for c in cells]) * n
     observed = np.array([counts.get(c, 0) for c in cells])
     keep = expected >= 5
     observed = np.append(observed[keep], observed[~keep].sum())
     expected = np.append(expected[keep], expected[~keep].sum())
     if expected[-1] == 0:
         observed, expected = observed[:-1], expected[:-1]
-    assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 0.001
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
 
 
 # ---------------------------------------------------------------- load, usage, metrics
