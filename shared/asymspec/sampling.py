@@ -122,10 +122,14 @@ def sample_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     if not bool((total > 0.0).all()):
         raise ValueError("cannot sample from a row with no positive mass")
     u = torch.tensor(uniforms, dtype=torch.float64)[:, None]  # [B, 1]
+    vocab = weights.shape[-1]
     index = torch.searchsorted(cdf, u * total, right=True)[:, 0]  # [B]
-    # u * total can round up to total: fall back to each row's last token with mass.
-    last = weights.shape[-1] - 1 - torch.argmax((weights.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(index, last).tolist()
+    # side="right" lands on a token with mass, except when u * total rounds up to total
+    # (index == V): then take the row's last token with mass, as sample() does. Only those
+    # rare rows are searched, which keeps this off the edge's profile.
+    for row in torch.nonzero(index >= vocab).flatten().tolist():
+        index[row] = int(torch.nonzero(weights[row] > 0).max())
+    return index.tolist()
 
 
 def sample(probs: FloatRow | torch.Tensor, u: float) -> int:
