@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -36,6 +35,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "shared"))
+
+from bench_loopback import metric_sum  # noqa: E402  # this folder: scripts run as files
 
 from asymspec.backends.hardware import colocated_threads, machine_facts  # noqa: E402
 from asymspec.prompts import chat_prompts, code_as_chat, humaneval_prompts  # noqa: E402
@@ -155,8 +156,7 @@ async def drive(requests: list[list[dict[str, str]]], concurrency: int, max_toke
 
 
 def edge_counter(name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{EDGE_PORT}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return metric_sum(f"http://127.0.0.1:{EDGE_PORT}", name)
 
 
 def measure(concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:

@@ -113,6 +113,7 @@ def main() -> None:
     ]
     for name, dtype, build in engines:
         model, tokenizer = load_causal_lm(args.target, "cpu", dtype)
+        parameters = sum(p.numel() for p in model.parameters())  # tied weights once
         lm = build(model)
         prompts = [tokenizer(p).input_ids for p in humaneval_prompts("heldout")]
         for sessions, n in SHAPES:
@@ -145,11 +146,7 @@ def main() -> None:
         raise KeyError((engine, dtype, b, n))
 
     bandwidth = read_bandwidth_gb_s()
-    weight_bytes = {
-        dtype: sum(p.numel() for p in load_causal_lm(args.target, "cpu")[0].parameters())
-        * (2 if dtype == "bfloat16" else 4)
-        for dtype in ("float32", "bfloat16")
-    }
+    weight_bytes = {"float32": 4 * parameters, "bfloat16": 2 * parameters}
     report("")
     report(f"read bandwidth at {args.threads} thread(s): {bandwidth:.1f} GB/s")
     for dtype, size in weight_bytes.items():

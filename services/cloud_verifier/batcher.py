@@ -242,8 +242,6 @@ class Batcher:
             s = job.session
             pending = s.pending_tokens(self.target.length(s.key))
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
-        if not (prefills or scores or steps):
-            return []
         started = time.perf_counter()
         logits, tokens = self.target.round(prefills, scores, steps)
         kind = "verify" if scores else "decode" if steps else "prefill"

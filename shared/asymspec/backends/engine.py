@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -172,6 +172,73 @@ class _BufferLayer(CacheLayerMixin):
         return -1
 
 
+class _HasTokens(Protocol):
+    token_ids: list[int]
+
+
+S = TypeVar("S", bound=_HasTokens)
+
+
+class SessionTable(Generic[S]):
+    """The per-session bookkeeping every engine shares: open, close, rollback and lengths.
+    An engine says how a session starts (``_new_session``) and how a prompt is prefilled
+    (``_prefill``); rollback only moves a length, the cache's tail is overwritten later."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, S] = {}
+
+    def _new_session(self) -> S:
+        raise NotImplementedError
+
+    def _prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
+        """Forward a fresh session's prompt; the logits [V] after its last token."""
+        raise NotImplementedError
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def length(self, session_id: str) -> int:
+        """How many tokens the session's cache holds."""
+        return len(self._session(session_id).token_ids)
+
+    def token_ids(self, session_id: str) -> list[int]:
+        """The tokens the session's cache holds (a copy)."""
+        return list(self._session(session_id).token_ids)
+
+    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Start a session and prefill ``token_ids`` (may be empty).
+
+        Returns the logits [V] after the last token (None for an empty prefill): a prompt's
+        other rows are never needed, so the LM head runs on the last position only.
+        """
+        if session_id in self._sessions:
+            raise KeyError(f"session {session_id!r} is already open")
+        self._sessions[session_id] = self._new_session()
+        if not token_ids:
+            return None
+        try:
+            return self._prefill(session_id, token_ids)
+        except BaseException:
+            del self._sessions[session_id]  # a failed prefill leaves no half-open session
+            raise
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)  # idempotent: a retried close is not an error
+
+    def truncate(self, session_id: str, new_length: int) -> None:
+        """Roll back to the first ``new_length`` tokens (a confirmed prefix); O(1)."""
+        tokens = self._session(session_id).token_ids
+        if not 0 <= new_length <= len(tokens):
+            raise ValueError(f"cannot truncate a {len(tokens)}-token session to {new_length}")
+        del tokens[new_length:]
+
+    def _session(self, session_id: str) -> S:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None
+
+
 @dataclass
 class _Session:
     """The cached state of one session: its tokens and per-layer K/V buffers."""
@@ -185,7 +252,7 @@ class _Session:
         return len(self.token_ids)
 
 
-class CachedLM:
+class CachedLM(SessionTable[_Session]):
     """A causal LM with per-session KV caches and batched incremental forwards.
 
     Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it.
@@ -200,11 +267,11 @@ class CachedLM:
             raise ValueError(f"only full-attention models are supported, got {set(layer_types)}")
         if model.device.type == "cpu" and config._attn_implementation == "sdpa":
             model.set_attn_implementation(_CPU_GQA_SDPA)
+        super().__init__()
         self.model = model
         self.num_layers = len(layer_types)
         self.pad_token_id = pad_token_id  # any valid id: pads are masked out
         self.forward_calls = 0  # model forwards run, prefill included
-        self._sessions: dict[str, _Session] = {}
 
     @property
     def device(self) -> torch.device:
@@ -214,45 +281,11 @@ class CachedLM:
     def vocab_size(self) -> int:
         return int(self.model.config.get_text_config(decoder=True).vocab_size)
 
-    def sessions(self) -> int:
-        return len(self._sessions)
+    def _new_session(self) -> _Session:
+        return _Session(keys=[None] * self.num_layers, values=[None] * self.num_layers)
 
-    def length(self, session_id: str) -> int:
-        """How many tokens the session's cache holds."""
-        return self._session(session_id).length
-
-    def token_ids(self, session_id: str) -> list[int]:
-        """The tokens the session's cache holds (a copy)."""
-        return list(self._session(session_id).token_ids)
-
-    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Start a session and prefill ``token_ids`` (may be empty).
-
-        Returns the logits [V] after the last token (None for an empty prefill): a prompt's
-        other rows are never needed, so the LM head runs on the last position only.
-        """
-        if session_id in self._sessions:
-            raise KeyError(f"session {session_id!r} is already open")
-        self._sessions[session_id] = _Session(
-            keys=[None] * self.num_layers, values=[None] * self.num_layers
-        )
-        if not token_ids:
-            return None
-        try:
-            return self._forward_one(session_id, token_ids, logits_to_keep=1)[-1]
-        except BaseException:
-            del self._sessions[session_id]  # a failed prefill leaves no half-open session
-            raise
-
-    def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)  # idempotent: a retried close is not an error
-
-    def truncate(self, session_id: str, new_length: int) -> None:
-        """Roll back to the first ``new_length`` tokens (a confirmed prefix); O(1)."""
-        session = self._session(session_id)
-        if not 0 <= new_length <= session.length:
-            raise ValueError(f"cannot truncate a {session.length}-token session to {new_length}")
-        del session.token_ids[new_length:]  # the buffers' tail is simply overwritten later
+    def _prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
+        return self._forward_one(session_id, token_ids, logits_to_keep=1)[-1]
 
     def forward_new(
         self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
@@ -280,12 +313,6 @@ class CachedLM:
             session_id, new_ids = batch[0]
             return [self._forward_one(session_id, new_ids, logits_to_keep=0)]
         return self._forward_padded(batch)
-
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise KeyError(f"unknown session {session_id!r}") from None
 
     @torch.inference_mode()
     def _forward_one(

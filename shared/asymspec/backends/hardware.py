@@ -9,6 +9,7 @@ fp32 stays the default there. ``float32`` can always be forced (the exact-greedy
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -25,27 +26,26 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+@functools.cache
+def _cpuinfo_field(name: str) -> str | None:
+    """The first CPU's ``name`` line of /proc/cpuinfo (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(name):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set((_cpuinfo_field("flags") or "").split())
 
 
 def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    return _cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -26,6 +26,7 @@ stays the fallback for other architectures.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from asymspec.backends.engine import NewTokens
+from asymspec.backends.engine import NewTokens, SessionTable
 
 log = logging.getLogger("asymspec.engine")
 
@@ -124,19 +125,19 @@ def _pack_weights(model: PreTrainedModel, dtype: torch.dtype) -> bool:
     )
 
 
-class LlamaEngine:
+class LlamaEngine(SessionTable[_Session]):
     """Per-session KV slots and ragged batched forwards over a Llama-family decoder.
 
     Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it.
     """
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
+        super().__init__()
         config = model.config
         self.model = model
-        self.pad_token_id = pad_token_id  # unused (no padding); kept for CachedLM's signature
         self.forward_calls = 0
         self.dtype = next(model.parameters()).dtype
         self.num_heads = int(config.num_attention_heads)
@@ -147,7 +148,6 @@ class LlamaEngine:
         self.eps = float(config.rms_norm_eps)
         self.packed = _pack_weights(model, self.dtype)
         self._build(model)
-        self._sessions: dict[str, _Session] = {}
         log.info(
             "LlamaEngine: %d layers, %s on %s, %s weights",
             len(self.layers),
@@ -207,44 +207,11 @@ class LlamaEngine:
     def vocab_size(self) -> int:
         return int(self.embed.shape[0])
 
-    def sessions(self) -> int:
-        return len(self._sessions)
+    def _new_session(self) -> _Session:
+        return _Session()
 
-    def length(self, session_id: str) -> int:
-        return self._session(session_id).length
-
-    def token_ids(self, session_id: str) -> list[int]:
-        return list(self._session(session_id).token_ids)
-
-    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Start a session and prefill ``token_ids`` (may be empty); logits [V] after the
-        last token, or None for an empty prefill."""
-        if session_id in self._sessions:
-            raise KeyError(f"session {session_id!r} is already open")
-        self._sessions[session_id] = _Session()
-        if not token_ids:
-            return None
-        try:
-            return self.forward_new([(session_id, token_ids)], keep_rows=[1])[0][-1]
-        except BaseException:
-            del self._sessions[session_id]
-            raise
-
-    def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
-    def truncate(self, session_id: str, new_length: int) -> None:
-        """Roll back to the first ``new_length`` tokens; the slot's tail is overwritten later."""
-        session = self._session(session_id)
-        if not 0 <= new_length <= session.length:
-            raise ValueError(f"cannot truncate a {session.length}-token session to {new_length}")
-        del session.token_ids[new_length:]
-
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise KeyError(f"unknown session {session_id!r}") from None
+    def _prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.forward_new([(session_id, token_ids)], keep_rows=[1])[0][-1]
 
     def _reserve(self, session: _Session, needed: int) -> torch.Tensor:
         """The session's KV slot with room for ``needed`` positions (grown 1.5x at least)."""
@@ -361,7 +328,7 @@ class LlamaEngine:
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
 
-        ends = [sum(counts[: b + 1]) for b in range(len(counts))]
+        ends = list(itertools.accumulate(counts))
         rows = [r for end, keep in zip(ends, keeps, strict=True) for r in range(end - keep, end)]
         if not rows:
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)

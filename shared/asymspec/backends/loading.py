@@ -59,7 +59,7 @@ def session_lm(model: PreTrainedModel, pad_token_id: int = 0) -> SessionLM:
     transformers-backed ``CachedLM``. The choice is logged."""
     reason = unsupported_reason(model)
     if reason is None:
-        return LlamaEngine(model, pad_token_id=pad_token_id)
+        return LlamaEngine(model)  # no padding, so no pad token
     log.info("CachedLM (transformers) for %s: %s", type(model).__name__, reason)
     return CachedLM(model, pad_token_id=pad_token_id)
 
