@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install models prometheus run test test-fast lint bench sizes dashboard load soak clean
+.PHONY: install models prometheus run test test-fast lint bench sizes dashboard load soak compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,9 @@ load: $(STAMP)  # Locust against a running edge (make run / docker compose up)
 
 soak: install  # 10 minutes of Locust at 16 users over the Weak testbed (root)
 	$(BIN)/python -m loadtest.soak --minutes 10 --users 16 --profile weak --out loadtest/results/soak
+
+compose-check: $(STAMP)  # build and run the compose stack here, check it, tear it down (root)
+	$(BIN)/python scripts/compose_check.py --out loadtest/results/compose-check/last-run.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -9,13 +9,20 @@ FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A page of wheels holding the torch wheel, used instead of TORCH_INDEX_URL where that index
+# is out of reach (scripts/compose_check.py serves the host's CPU wheel to the build so).
+ARG TORCH_FIND_LINKS=
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     ASYMSPEC_MODEL_CACHE=/models HF_HOME=/models/huggingface
 
 # torch from its own index first: the CPU wheel is a fraction of PyPI's CUDA one, and the
 # project's torch==2.13.0 pin is then already met (a local version such as +cpu satisfies it).
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# With TORCH_FIND_LINKS, torch's own dependencies still come from the default index (PyPI).
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then host="${TORCH_FIND_LINKS#*://}"; \
+      where="--find-links ${TORCH_FIND_LINKS} --trusted-host ${host%%[:/]*}"; \
+    else where="--index-url ${TORCH_INDEX_URL}"; fi \
+    && pip install "torch==${TORCH_VERSION}" $where
 
 WORKDIR /app
 # Dependencies before sources (read from pyproject.toml), so that a code change does not

@@ -3,7 +3,8 @@
 #   docker build -f docker/locust.Dockerfile -t asymspec-locust .
 # Only the prompts module of the protocol package is needed (stdlib only, and the package's
 # __init__ imports nothing), so the image has no torch.
-FROM python:3.11-slim
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/app

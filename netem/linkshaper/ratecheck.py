@@ -83,10 +83,12 @@ def measure_rate(
     port: int = DEFAULT_PORT,
     seconds: float = 3.0,
     warmup_s: float = 0.5,
+    python: str = sys.executable,
 ) -> RateMeasurement:
     """Run a sink (listening on all addresses) and a source (connecting to `host`) as
-    subprocesses, each after its prefix, and return the sink's measurement."""
-    module = [sys.executable, "-m", _MODULE]
+    subprocesses, each after its prefix, and return the sink's measurement. `python` is the
+    interpreter the prefixes run (inside a container: the image's, not this one)."""
+    module = [python, "-m", _MODULE]
     # The subprocesses import this package from its folder, wherever the caller's cwd is.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     sink_argv = [*sink_prefix, *module, "sink", "--port", str(port), "--warmup-s", str(warmup_s)]

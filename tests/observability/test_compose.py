@@ -1,5 +1,6 @@
 """compose.yaml, the Dockerfiles and the Prometheus/Grafana files, checked against each other
-and against the services' settings, without a Docker engine (none here or in CI).
+and against the services' settings, without a Docker engine (`make compose-check`, run by
+CI after the tests, builds and runs the stack for real).
 
 What `docker compose config` and a build would catch first, and what they would not: a
 build context or COPY source that is missing or excluded by .dockerignore, a settings
