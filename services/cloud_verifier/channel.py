@@ -116,7 +116,10 @@ class ChannelServer:
             self.metrics.connected_edges.inc()
             try:
                 while True:
-                    await self._receive(conn, await ws.receive_bytes())
+                    frame = await self._next_frame(conn)
+                    if frame is None:
+                        return
+                    await self._receive(conn, frame)
             finally:
                 self.metrics.connected_edges.dec()
                 self.connections.discard(conn)
@@ -125,8 +128,33 @@ class ChannelServer:
         finally:
             await self._release(conn)
 
+    async def _next_frame(self, conn: _Connection) -> bytes | None:
+        """The next binary frame; a text frame closes the connection with 1003 (the wire is
+        binary only) and None is returned."""
+        message = await conn.ws.receive()
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        data = message.get("bytes")
+        if data is None:
+            await conn.send_error(
+                ErrorCode.MALFORMED, "text frame: the channel is binary", None, None
+            )
+            await conn.ws.close(code=1003)
+            return None
+        return bytes(data)
+
     async def _handshake(self, conn: _Connection) -> bool:
-        frame = await conn.ws.receive_bytes()
+        """Hello within `handshake_timeout_s` of the upgrade, or the connection is closed."""
+        try:
+            frame = await asyncio.wait_for(
+                self._next_frame(conn), self.settings.handshake_timeout_s
+            )
+        except TimeoutError:
+            self.metrics.channel_auth_failures.inc()
+            await conn.ws.close(code=1008, reason="no Hello in time")
+            return False
+        if frame is None:
+            return False
         try:
             hello = decode(frame, self.settings.max_frame_bytes)
         except WireError as exc:

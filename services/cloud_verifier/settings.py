@@ -39,4 +39,7 @@ class CloudSettings(RuntimeSettings):
     )
     max_sessions_per_edge: int = Field(1024, ge=1, description="Open sessions one edge may hold.")
     max_frame_bytes: int = Field(8 * 1024 * 1024, description="Largest accepted channel frame.")
+    handshake_timeout_s: float = Field(
+        10.0, gt=0, description="How long a new channel connection may take to send its Hello."
+    )
     max_context_tokens: int = Field(8192, ge=16, description="Longest prompt + generation.")

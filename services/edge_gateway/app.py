@@ -22,11 +22,11 @@ from asymspec.backends.draft import DraftModel
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
-from edge_gateway.channel import CloudChannel
 from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
 from edge_gateway.metrics import EdgeMetrics, metrics_router
 from edge_gateway.openai_api import build_router
+from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
@@ -39,7 +39,7 @@ class EdgeState:
     metrics: EdgeMetrics
     engine: Engine | None = None
     tokenizer: Any = None
-    channel: CloudChannel | None = None
+    cloud: CloudReplicas | None = None
     scheduler: DraftScheduler | None = None
     error: str | None = None
 
@@ -48,8 +48,8 @@ class EdgeState:
             return self.error
         if self.engine is None:
             return "draft model is loading"
-        if self.channel is not None and not self.channel.connected:
-            return f"not connected to the cloud verifier at {self.settings.cloud_url}"
+        if self.cloud is not None:
+            return self.cloud.not_ready_reason()
         return None
 
 
@@ -61,8 +61,10 @@ def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
 async def _start(state: EdgeState) -> None:
     s, mode = state.settings, state.settings.operating_mode
     if mode.needs_cloud:
-        state.channel = CloudChannel(s.cloud_url, s.shared_secret, state.metrics)
-        state.channel.start()
+        state.cloud = CloudReplicas(
+            s.cloud_urls, s.shared_secret, state.metrics, reply_timeout_s=s.cloud_reply_timeout_s
+        )
+        state.cloud.start()
     try:
         draft, state.tokenizer = await asyncio.to_thread(load_draft, s)
     except Exception as exc:
@@ -70,16 +72,16 @@ async def _start(state: EdgeState) -> None:
         state.error = f"{type(exc).__name__}: {exc}"
         return
     if mode.is_target_only:
-        assert state.channel is not None
-        state.engine = TargetOnlyEngine(state.channel, s.cloud_deadline_s)
+        assert state.cloud is not None
+        state.engine = TargetOnlyEngine(state.cloud, s.cloud_deadline_s)
         return
     state.scheduler = DraftScheduler(draft, mode, s.max_draft_batch, state.metrics)
     state.scheduler.start()
     if mode.is_draft_only:
         state.engine = DraftOnlyEngine(state.scheduler)
     else:
-        assert state.channel is not None
-        state.engine = SpeculativeEngine(s, mode, state.scheduler, state.channel, state.metrics)
+        assert state.cloud is not None
+        state.engine = SpeculativeEngine(s, mode, state.scheduler, state.cloud, state.metrics)
     log.info("edge ready: mode %s, draft %s", mode.name, s.draft_model)
 
 
@@ -96,7 +98,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         starting = asyncio.create_task(_start(state))
         yield
         starting.cancel()
-        for part in (state.scheduler, state.channel):
+        for part in (state.scheduler, state.cloud):
             if part is not None:
                 await part.stop()
 

@@ -2,9 +2,14 @@
 
 Callers send a message and await the reply that matches it: SessionOpened by session id,
 VerifyResult and CorrectionResponse by block id, GenerateTokens into a per-session queue.
-A typed ErrorFrame fails the waiter it names. The channel reconnects with exponential
-backoff; while it is down, waiters fail with `ChannelDown`, and new calls wait for the
-connection up to the configured deadline (the request layer decides what to re-open).
+A typed ErrorFrame fails the waiter it names; a reply that does not come within
+`reply_timeout_s` fails it with `ReplyTimeout`. A frame the edge cannot decode, or one of a
+type the cloud never sends, is a protocol error: the connection is closed (1002), so that
+every waiter on it fails with `ChannelDown` and its session is re-opened elsewhere, rather
+than one waiter hanging. The channel reconnects with exponential backoff; while it is down,
+waiters fail with `ChannelDown`, and new calls wait for the connection up to the configured
+deadline (the request layer decides what to re-open). A refused shared secret is kept as
+`refused`, which `/health` reports and which fails requests at once.
 """
 
 from __future__ import annotations
@@ -46,12 +51,42 @@ class ChannelDown(ConnectionError):
     """The cloud is unreachable (or the connection dropped while a reply was awaited)."""
 
 
+class ReplyTimeout(TimeoutError):
+    """The cloud did not answer one request in time (the connection itself is up)."""
+
+
 class CloudError(RuntimeError):
     """The cloud answered a request with a typed error frame."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
+
+
+class SessionBytes:
+    """Link bytes per tracked session, (uplink, downlink), counted where the link counters
+    are counted so that the per-request figures add up to them. One ledger serves every
+    replica's channel: a session re-placed on another replica keeps one account."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[int, tuple[int, int]] = {}
+
+    def track(self, session_id: int) -> None:
+        self._bytes.setdefault(session_id, (0, 0))
+
+    def of(self, session_id: int) -> tuple[int, int]:
+        return self._bytes.get(session_id, (0, 0))
+
+    def forget(self, session_id: int) -> None:
+        self._bytes.pop(session_id, None)
+
+    def add(self, session_id: int | None, direction: str, n_bytes: int) -> None:
+        if session_id is None or session_id not in self._bytes:
+            return
+        up, down = self._bytes[session_id]
+        self._bytes[session_id] = (
+            (up + n_bytes, down) if direction == "uplink" else (up, down + n_bytes)
+        )
 
 
 class CloudChannel:
@@ -62,16 +97,18 @@ class CloudChannel:
         metrics: EdgeMetrics,
         edge_id: str = "edge",
         max_frame_bytes: int = 64 * 1024 * 1024,
+        ledger: SessionBytes | None = None,
+        reply_timeout_s: float = 30.0,
     ) -> None:
         self.url, self.secret, self.metrics, self.edge_id = url, secret, metrics, edge_id
-        self.max_frame_bytes = max_frame_bytes
+        self.max_frame_bytes, self.reply_timeout_s = max_frame_bytes, reply_timeout_s
+        self.refused: str | None = None  # why the cloud refused our handshake, until it accepts
+        self.ledger = ledger or SessionBytes()
         self._ws: ClientConnection | None = None
         self._connected = asyncio.Event()
         self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[GenerateTokens | Exception]] = {}
-        self._session_bytes: dict[int, tuple[int, int]] = {}  # tracked sessions: (up, down)
         self._task: asyncio.Task[None] | None = None
-        self.generation = 0  # bumps on every (re)connect: sessions from before are gone
 
     @property
     def connected(self) -> bool:
@@ -132,7 +169,11 @@ class CloudChannel:
         self._waiters[key] = future
         try:
             await self.send(msg)
-            return await future
+            return await asyncio.wait_for(future, self.reply_timeout_s)
+        except TimeoutError:
+            raise ReplyTimeout(
+                f"no reply to {type(msg).__name__} from {self.url} in {self.reply_timeout_s} s"
+            ) from None
         finally:
             self._waiters.pop(key, None)
 
@@ -146,19 +187,24 @@ class CloudChannel:
                     self.url, max_size=self.max_frame_bytes, compression=None, ping_interval=20
                 ) as ws:
                     await self._handshake(ws)
-                    backoff_s = 0.1
-                    self._ws, self.generation = ws, self.generation + 1
+                    backoff_s, self.refused = 0.1, None
+                    self._ws = ws
                     self._connected.set()
-                    self.metrics.cloud_connected.set(1)
+                    self.metrics.cloud_connected.inc()
                     log.info("connected to the cloud at %s", self.url)
                     await self._read(ws)
             except asyncio.CancelledError:
                 raise
+            except CloudError as exc:
+                if exc.code == ErrorCode.UNAUTHORIZED:
+                    self.refused = "the cloud refused the shared secret"
+                log.error("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
             except Exception as exc:
                 log.warning("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
             finally:
+                if self.connected:
+                    self.metrics.cloud_connected.dec()  # counts connected replicas
                 self._connected.clear()
-                self.metrics.cloud_connected.set(0)
                 self._ws = None
                 self._fail_all(ChannelDown("the cloud connection was lost"))
             await asyncio.sleep(backoff_s * (0.5 + random.random()))
@@ -179,37 +225,28 @@ class CloudChannel:
                 msg = decode(data, self.max_frame_bytes)
             except WireError as exc:
                 self._count("downlink", "undecodable", len(data))
-                log.error("undecodable frame from the cloud: %s", exc)
-                continue
+                await self._protocol_error(ws, f"undecodable frame from the cloud: {exc}")
+                return
             self._count("downlink", type(msg).__name__, len(data), _frame_session(msg))
-            self._route(msg)
+            if not self._route(msg):
+                await self._protocol_error(ws, f"unexpected {type(msg).__name__} from the cloud")
+                return
 
-    def track_session(self, session_id: int) -> None:
-        """Count this session's frames from now on (``session_bytes``)."""
-        self._session_bytes.setdefault(session_id, (0, 0))
-
-    def session_bytes(self, session_id: int) -> tuple[int, int]:
-        """(uplink, downlink) bytes of a tracked session's frames, counted where the link
-        counters are counted, so the per-request figures add up to them."""
-        return self._session_bytes.get(session_id, (0, 0))
-
-    def forget_session(self, session_id: int) -> None:
-        self._session_bytes.pop(session_id, None)
+    async def _protocol_error(self, ws: ClientConnection, reason: str) -> None:
+        log.error("%s: closing the connection (its sessions re-open)", reason)
+        await ws.close(code=1002, reason=reason[:120])
 
     def _count(
         self, direction: str, message: str, n_bytes: int, session_id: int | None = None
     ) -> None:
         """Link bytes as the channel's frames carry them (WebSocket headers not included)."""
-        if session_id is not None and session_id in self._session_bytes:
-            up, down = self._session_bytes[session_id]
-            self._session_bytes[session_id] = (
-                (up + n_bytes, down) if direction == "uplink" else (up, down + n_bytes)
-            )
+        self.ledger.add(session_id, direction, n_bytes)
         self.metrics.link_bytes.labels(direction=direction).inc(n_bytes)
         self.metrics.link_frames.labels(direction=direction).inc()
         self.metrics.link_message_bytes.labels(direction=direction, message=message).inc(n_bytes)
 
-    def _route(self, msg: Message) -> None:
+    def _route(self, msg: Message) -> bool:
+        """Hand a frame to its waiter; False for a type the cloud never sends."""
         if isinstance(msg, SessionOpened):
             self._resolve(("open", msg.session_id), msg)
         elif isinstance(msg, VerifyResult):
@@ -220,6 +257,9 @@ class CloudChannel:
             self.stream(msg.session_id).put_nowait(msg)
         elif isinstance(msg, ErrorFrame):
             self._route_error(msg)
+        else:
+            return False
+        return True
 
     def _resolve(self, key: Hashable, value: Any) -> None:
         future = self._waiters.get(key)

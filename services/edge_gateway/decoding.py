@@ -43,9 +43,10 @@ from asymspec.wire import (
     VerifyResult,
     config_digest,
 )
-from edge_gateway.channel import ChannelDown, CloudChannel, CloudError
+from edge_gateway.channel import ChannelDown, CloudChannel, CloudError, ReplyTimeout
 from edge_gateway.engine_api import GenerationError, GenerationRequest
 from edge_gateway.metrics import EdgeMetrics
+from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
@@ -73,9 +74,11 @@ def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
     return SamplingConfig(p.temperature, p.top_k, p.top_p, seed)
 
 
-def _cloud_failure(exc: Exception) -> GenerationError:
+def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout) -> GenerationError:
     if isinstance(exc, ChannelDown):
         return GenerationError(f"cloud verifier unavailable: {exc}", 503, "service_unavailable")
+    if isinstance(exc, ReplyTimeout):
+        return GenerationError(f"cloud verifier timed out: {exc}", 504, "timeout_error")
     if isinstance(exc, CloudError) and exc.code == ErrorCode.OVERLOADED:
         # The cloud holds as many sessions as it allows this edge: a client should retry.
         return GenerationError(
@@ -100,17 +103,13 @@ class SpeculativeEngine:
         settings: EdgeSettings,
         mode: Mode,
         scheduler: DraftScheduler,
-        channel: CloudChannel,
+        cloud: CloudReplicas,
         metrics: EdgeMetrics,
     ) -> None:
         self.settings, self.mode, self.scheduler = settings, mode, scheduler
-        self.channel, self.metrics = channel, metrics
+        self.cloud, self.metrics = cloud, metrics
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
-
-    @property
-    def ready(self) -> bool:
-        return self.channel.connected
 
     def open_message(
         self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
@@ -124,42 +123,38 @@ class SpeculativeEngine:
         seed = _seed(request)
         config = _config(request, seed)
         session_id = next(self.session_ids)
-        key = str(session_id)
         state = _RequestState(self, request, session_id, seed, config)
-        self.channel.track_session(session_id)
+        self.cloud.ledger.track(session_id)
+        # One try for open and run: whenever the request ends (done, failed, or the client
+        # gone while the session was still opening), both sides of its session are closed.
         try:
-            await self.channel.wait_connected(self.settings.cloud_deadline_s)
-            await asyncio.gather(
-                self.channel.open_session(
-                    self.open_message(session_id, request.prompt_ids, config, state.first_rung)
-                ),
-                self.scheduler.open(key, request.prompt_ids),
-            )
-        except (ChannelDown, CloudError) as exc:
-            await self._close(session_id, opened_draft=key)
-            self._finish_stats(request, session_id)
-            raise _cloud_failure(exc) from exc
-        try:
+            opening = asyncio.ensure_future(state.open())
+            drafting = asyncio.ensure_future(self.scheduler.open(state.key, request.prompt_ids))
+            try:
+                await asyncio.gather(opening, drafting)
+            finally:  # neither may outlive the other's failure or a cancellation
+                for part in (opening, drafting):
+                    part.cancel()
+                await asyncio.gather(opening, drafting, return_exceptions=True)
             async for tokens in state.run():
                 yield tokens
-        except (ChannelDown, CloudError) as exc:
+        except (ChannelDown, CloudError, ReplyTimeout) as exc:
             raise _cloud_failure(exc) from exc
         finally:
-            await self._close(session_id, opened_draft=key)
-            self._finish_stats(request, session_id)
+            await self._close(session_id, opened_draft=state.key)
+            request.stats.uplink_bytes, request.stats.downlink_bytes = self.cloud.ledger.of(
+                session_id
+            )
+            self.cloud.ledger.forget(session_id)
 
     async def _close(self, session_id: int, opened_draft: str) -> None:
-        """Close both sides of a request's session; its link bytes go into its stats."""
-        with contextlib.suppress(ChannelDown):
-            await self.channel.send(CloseSession(session_id))
+        """Close both sides of a request's session."""
+        channel = self.cloud.release(session_id)
+        if channel is not None:
+            with contextlib.suppress(ChannelDown):
+                await channel.send(CloseSession(session_id))
         with contextlib.suppress(KeyError):
             await self.scheduler.close(opened_draft)
-
-    def _finish_stats(self, request: GenerationRequest, session_id: int) -> None:
-        request.stats.uplink_bytes, request.stats.downlink_bytes = self.channel.session_bytes(
-            session_id
-        )
-        self.channel.forget_session(session_id)
 
 
 class _RequestState:
@@ -192,6 +187,32 @@ class _RequestState:
         self.produced = 0
         self.cached = len(request.prompt_ids) - 1  # tokens in the draft's cache
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
+        self.channel: CloudChannel | None = None  # the replica the session is open on
+
+    async def open(self) -> None:
+        """Open the session from the confirmed prefix on a live replica. A replica lost
+        while it opens is retried on another (or the same, back) until `cloud_deadline_s`
+        from the first try has passed; after that the request fails with ChannelDown."""
+        engine = self.engine
+        deadline_s = time.monotonic() + engine.settings.cloud_deadline_s
+        while True:
+            self.channel = await engine.cloud.place(
+                self.session_id, max(0.0, deadline_s - time.monotonic())
+            )
+            message = engine.open_message(
+                self.session_id, self.confirmed, self.config, self.first_rung
+            )
+            try:
+                await self.channel.open_session(message)
+                return
+            except ChannelDown:
+                if time.monotonic() >= deadline_s:
+                    raise
+
+    @property
+    def live_channel(self) -> CloudChannel:
+        assert self.channel is not None, "the session is not open"
+        return self.channel
 
     def uniform(self) -> float:
         return draw_uniform(self.generator)
@@ -228,15 +249,14 @@ class _RequestState:
                 return
 
     async def _reopen(self) -> None:
-        """The cloud went away mid-request: once it is back (within the deadline), open the
-        session again from the confirmed prefix and carry on; the open block is dropped."""
+        """The session's replica went away mid-request: open the session again from the
+        confirmed prefix on a live replica (within the deadline) and carry on; the open
+        block is dropped."""
         engine = self.engine
-        await engine.channel.wait_connected(engine.settings.cloud_deadline_s)
         self.seq, self.tail, self.next_draft = 0, [], None
         self.cached = min(self.cached, len(self.confirmed) - 1)  # the cache lags by >= 1
         await engine.scheduler.rollback(self.key, self.cached)
-        message = engine.open_message(self.session_id, self.confirmed, self.config, self.first_rung)
-        await engine.channel.open_session(message)
+        await self.open()
         engine.metrics.session_reopens.inc()
 
     async def _one_block(self, gamma: int) -> list[int]:
@@ -273,7 +293,7 @@ class _RequestState:
         else:
             msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
         sent_s = time.perf_counter()
-        verdict = asyncio.ensure_future(engine.channel.verify(msg))
+        verdict = asyncio.ensure_future(self.live_channel.verify(msg))
         runahead = self._runahead(draft) if engine.mode.runs_ahead else None
         try:
             result = await verdict
@@ -350,7 +370,7 @@ class _RequestState:
                 return outcome.token
             self.engine.metrics.correction_rounds.inc()
             self.request.stats.correction_round_trips += 1
-            reply = await self.engine.channel.correct(
+            reply = await self.live_channel.correct(
                 CorrectionRequest(
                     block.id, _WIRE_KIND[outcome.kind], outcome.size, correction.rung_index
                 )
@@ -388,10 +408,6 @@ class DraftOnlyEngine:
         self.scheduler = scheduler
         self.session_ids = _session_ids()
 
-    @property
-    def ready(self) -> bool:
-        return True
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         key = str(next(self.session_ids))
         generator = torch.Generator().manual_seed(_seed(request) % 2**63)
@@ -412,36 +428,73 @@ class DraftOnlyEngine:
 
 
 class TargetOnlyEngine:
-    """SPADE's Target baseline: the cloud decodes alone and streams tokens back."""
+    """SPADE's Target baseline: the cloud decodes alone and streams tokens back. A replica
+    lost mid-stream is replaced by a live one, which goes on from the prompt plus the
+    tokens already streamed (greedy: the same output; sampled: a fresh draw from there)."""
 
-    def __init__(self, channel: CloudChannel, deadline_s: float) -> None:
-        self.channel, self.deadline_s = channel, deadline_s
+    def __init__(self, cloud: CloudReplicas, deadline_s: float) -> None:
+        self.cloud, self.deadline_s = cloud, deadline_s
         self.session_ids = _session_ids()
-
-    @property
-    def ready(self) -> bool:
-        return self.channel.connected
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         session_id = next(self.session_ids)
-        queue = self.channel.stream(session_id)
+        config = _config(request, _seed(request))
+        stop = np.asarray(sorted(request.stop_token_ids), dtype=np.uint32)
+        produced: list[int] = []
+        lost_at_s: float | None = None  # when the current outage began
         try:
-            await self.channel.wait_connected(self.deadline_s)
-            config = _config(request, _seed(request))
-            prompt = np.asarray(request.prompt_ids, dtype=np.uint32)
-            await self.channel.open_session(OpenSession(session_id, prompt, config))
-            stop = np.asarray(sorted(request.stop_token_ids), dtype=np.uint32)
-            await self.channel.send(GenerateRequest(session_id, request.max_new_tokens, stop))
             while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield [int(t) for t in item.tokens]
-                if item.done:
+                waited_s = 0.0 if lost_at_s is None else time.monotonic() - lost_at_s
+                channel = await self.cloud.place(session_id, max(0.0, self.deadline_s - waited_s))
+                try:
+                    async for tokens in self._stream(
+                        channel, session_id, config, request, produced, stop
+                    ):
+                        produced += tokens
+                        lost_at_s = None
+                        yield tokens
                     return
-        except (ChannelDown, CloudError) as exc:
+                except ChannelDown:
+                    lost_at_s = lost_at_s or time.monotonic()
+                    if time.monotonic() - lost_at_s >= self.deadline_s:
+                        raise
+                finally:
+                    channel.end_stream(session_id)
+        except (ChannelDown, CloudError, ReplyTimeout) as exc:
             raise _cloud_failure(exc) from exc
         finally:
-            self.channel.end_stream(session_id)
-            with contextlib.suppress(ChannelDown):
-                await self.channel.send(CloseSession(session_id))
+            channel_now = self.cloud.release(session_id)
+            if channel_now is not None:
+                with contextlib.suppress(ChannelDown):
+                    await channel_now.send(CloseSession(session_id))
+
+    async def _stream(
+        self,
+        channel: CloudChannel,
+        session_id: int,
+        config: SamplingConfig,
+        request: GenerationRequest,
+        produced: list[int],
+        stop: np.ndarray,
+    ) -> AsyncIterator[list[int]]:
+        """Open the session from the prompt and what was produced, then stream the rest."""
+        if len(produced) >= request.max_new_tokens or (
+            produced and produced[-1] in request.stop_token_ids
+        ):
+            return  # it had all been streamed when the replica was lost
+        queue = channel.stream(session_id)
+        prompt = np.asarray([*request.prompt_ids, *produced], dtype=np.uint32)
+        await channel.open_session(OpenSession(session_id, prompt, config))
+        remaining = request.max_new_tokens - len(produced)
+        await channel.send(GenerateRequest(session_id, remaining, stop))
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), channel.reply_timeout_s)
+            except TimeoutError:
+                waited_s = channel.reply_timeout_s
+                raise ReplyTimeout(f"no tokens from {channel.url} in {waited_s} s") from None
+            if isinstance(item, Exception):
+                raise item
+            yield [int(t) for t in item.tokens]
+            if item.done:
+                return

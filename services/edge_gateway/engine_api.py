@@ -86,6 +86,3 @@ class Engine(Protocol):
         Closing the iterator early (client gone, stop string) cancels the request and frees
         its state on both sides."""
         ...
-
-    @property
-    def ready(self) -> bool: ...

@@ -93,7 +93,7 @@ class EdgeMetrics:
     | edge_busy | asymspec_edge_busy_seconds_total | s | engine |
     | edge_idle | asymspec_edge_idle_seconds_total | s | engine |
     | wasted_draft_tokens | asymspec_wasted_draft_tokens_total | tokens (runahead) | engine |
-    | cloud_connected | asymspec_cloud_connected | 0/1 | channel |
+    | cloud_connected | asymspec_cloud_connected | connected replicas (0/1 with one) | channel |
     | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
     | requests_rejected | asymspec_request_rejected_total | reason=auth/overload | app |
     """
@@ -262,7 +262,8 @@ class EdgeMetrics:
                 "Draft tokens computed and thrown away (runahead from an unconfirmed prefix).",
             ),
             cloud_connected=f.gauge(
-                "asymspec_cloud_connected", "1 while the channel to the cloud is up, else 0."
+                "asymspec_cloud_connected",
+                "Cloud verifier replicas whose channel is up (0 or 1 with one replica).",
             ),
             session_reopens=f.counter(
                 "asymspec_cloud_session_reopens_total",

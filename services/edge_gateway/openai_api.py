@@ -240,8 +240,10 @@ class OpenAIApi:
 
     def _ready(self) -> tuple[Engine, PreTrainedTokenizerBase]:
         engine, tokenizer = self.engine_provider(), self.tokenizer_provider()
-        if engine is None or tokenizer is None or not engine.ready:
-            raise GenerationError("the engine is not ready", 503, "service_unavailable_error")
+        # Loaded is enough: an engine that needs the cloud waits for it (up to its deadline)
+        # rather than refusing a request the moment the link is down.
+        if engine is None or tokenizer is None:
+            raise GenerationError("the model is still loading", 503, "service_unavailable_error")
         return engine, tokenizer
 
     def _stop_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

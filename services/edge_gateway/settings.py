@@ -32,8 +32,12 @@ class EdgeSettings(RuntimeSettings):
     served_model_name: str = Field(
         "asymspec", description="The model id clients use in /v1/models and requests."
     )
-    cloud_url: str = Field(
-        "ws://127.0.0.1:8001/v1/channel", description="The cloud verifier's channel URL."
+    cloud_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("ws://127.0.0.1:8001/v1/channel",),
+        min_length=1,
+        validation_alias=AliasChoices("ASYMSPEC_EDGE_CLOUD_URL", "cloud_urls"),
+        description="The cloud verifier's channel URL; comma-separated for several replicas "
+        "(sessions go to the least-loaded connected one, and move when theirs is lost).",
     )
     shared_secret: str = Field(
         min_length=8, description="Edge<->cloud secret sent in the channel handshake (required)."
@@ -72,12 +76,25 @@ class EdgeSettings(RuntimeSettings):
     cloud_deadline_s: float = Field(
         30.0, gt=0, description="How long a request waits for an absent cloud before failing."
     )
+    cloud_reply_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long one request to a connected cloud (open with its prefill, "
+        "verify, correction) may go unanswered before the request fails with 504.",
+    )
 
     @field_validator("topk_steps", mode="before")
     @classmethod
     def _split_ints(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(int(v) for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("cloud_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
         return value
 
     @field_validator("api_keys", mode="before")

@@ -86,7 +86,6 @@ class LocalEngine:
     def __init__(self, model: LlamaForCausalLM, tokens_per_chunk: int = 3) -> None:
         self.target = TargetModel(session_lm(model))
         self.tokens_per_chunk = tokens_per_chunk  # > 1: chunks look like spec-decode blocks
-        self.ready = True
         self.step_delay_s = 0.0  # a pause before each chunk (a slow link)
         self.stall_after_tokens: int | None = None  # then wait forever (a lost cloud)
         self.fail_after_tokens: int | None = None  # raise GenerationError after this many

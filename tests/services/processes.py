@@ -110,3 +110,15 @@ def running(module: str, port: int, env: dict[str, str], log_dir: Path) -> Itera
         yield service
     finally:
         service.stop()
+
+
+def wait_for_replicas(edge: Service, n: int, timeout_s: float = 30) -> None:
+    """Until the edge has channels up to ``n`` cloud replicas (/health needs only one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{edge.url}/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("asymspec_cloud_connected"))
+        if float(line.split()[-1]) == n:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the edge did not connect to {n} replicas")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import websockets
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
@@ -49,7 +51,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def cloud(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     port = free_port()
-    env = cloud_env(pair[0], port, shared_secret="s3cret-s3cret", max_wait_ms="5")
+    env = cloud_env(
+        pair[0], port, shared_secret="s3cret-s3cret", max_wait_ms="5", handshake_timeout_s="1"
+    )
     with running("cloud_verifier", port, env, tmp_path_factory.mktemp("logs")) as service:
         yield service
 
@@ -219,6 +223,34 @@ def test_wrong_secret_is_refused_and_counted(cloud: Service) -> None:
     with pytest.raises(Exception):  # noqa: B017 - never connects, so wait_connected fails
         with_channel(cloud, body, secret="wrong", connect_timeout_s=2)
     assert metric(cloud, "asymspec_channel_auth_failures_total") > before
+
+
+def test_a_text_frame_is_closed_with_1003(cloud: Service) -> None:
+    async def run() -> int | None:
+        url = f"ws://127.0.0.1:{cloud.port}/v1/channel"
+        async with websockets.connect(url) as ws:
+            await ws.send("hello as text")
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await ws.recv()  # the MALFORMED error frame, then the close
+            return ws.close_code
+
+    assert asyncio.run(run()) == 1003
+
+
+def test_a_connection_without_hello_is_closed_after_the_handshake_timeout(
+    cloud: Service,
+) -> None:
+    async def run() -> tuple[float, int | None]:
+        url = f"ws://127.0.0.1:{cloud.port}/v1/channel"
+        started = time.monotonic()
+        async with websockets.connect(url) as ws:
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)  # says nothing; the cloud hangs up
+            return time.monotonic() - started, ws.close_code
+
+    waited_s, code = asyncio.run(run())
+    assert code == 1008 and 0.5 < waited_s < 5  # the fixture's 1 s timeout, not forever
 
 
 def test_two_edges_may_use_the_same_session_ids(cloud: Service, greedy_chain: list[int]) -> None:

@@ -1,13 +1,16 @@
-"""Faults through real processes: the cloud dies and comes back, stays down, a client
-leaves mid-stream. Every request either finishes with the same output an uninterrupted run
-gives (greedy) or ends with a clear error; nothing hangs and nothing leaks."""
+"""Faults through real processes, phase by phase: the cloud dies while sessions open
+(prefill), mid-stream (mid-block), between requests, or stays down; one of two replicas
+dies; a client leaves while its session opens or mid-stream. Every request either finishes
+with the same output an uninterrupted run gives (greedy) or ends with a clear error after
+the deadline; nothing hangs and nothing leaks."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,7 @@ from tests.services.processes import (
     edge_env,
     free_port,
     running,
+    wait_for_replicas,
 )
 from tests.services.tiny_models import save_tiny_pair
 
@@ -177,3 +181,212 @@ def test_control_route_needs_the_secret(cluster: tuple[int, Service, dict[str, s
     cloud_port, _, _ = cluster
     response = httpx.get(f"http://127.0.0.1:{cloud_port}/v1/sessions")
     assert response.status_code == 401
+
+
+def start_cloud(pair: tuple[Path, Path], port: int, log: Path) -> Service:
+    return Service("cloud_verifier", port, cloud_env(pair[0], port), log)
+
+
+async def streams_and_reference(
+    edge: Service, prompts: list[str], max_tokens: int, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[str], list[str]]:
+    """Start one greedy stream per prompt, run ``fault`` once every stream has sent its
+    request (``fault`` decides how long to wait), then the same requests again undisturbed."""
+    async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
+        firsts = [asyncio.Event() for _ in prompts]
+        streams = [
+            asyncio.create_task(stream_text(client, greedy(p, max_tokens), f))
+            for p, f in zip(prompts, firsts, strict=True)
+        ]
+        await fault()
+        interrupted = await asyncio.gather(*streams)
+        reference = await asyncio.gather(
+            *(stream_text(client, greedy(p, max_tokens), asyncio.Event()) for p in prompts)
+        )
+        return list(interrupted), list(reference)
+
+
+def reopens(edge: Service) -> float:
+    metrics = httpx.get(f"{edge.url}/metrics").text
+    line = next(
+        x for x in metrics.splitlines() if x.startswith("asymspec_cloud_session_reopens_total")
+    )
+    return float(line.split()[-1])
+
+
+# A prompt long enough that its session is still opening when the cloud is frozen.
+LONG_PROMPTS = [f"request {i}: " + "def f(x): return x + 1\n" * 40 for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["asymspec", "target-only"])
+def test_cloud_killed_while_sessions_open(pair: tuple[Path, Path], logs: Path, mode: str) -> None:
+    """Phase: session open / prefill. The cloud is frozen (SIGSTOP) so that the requests'
+    OpenSession frames are in flight, then killed, then started again."""
+    cloud_port, edge_port = free_port(), free_port()
+    cloud = start_cloud(pair, cloud_port, logs / "c1.log")
+    cloud.wait_healthy()
+    env = edge_env(pair[1], edge_port, cloud_port, mode, cloud_deadline_s="60")
+    restarted: list[Service] = []
+    try:
+        with running("edge_gateway", edge_port, env, logs) as edge:
+
+            async def fault() -> None:
+                await asyncio.sleep(0.5)  # the requests reach the edge and open sessions
+                cloud.kill()
+                await asyncio.sleep(1.0)
+                restarted.append(start_cloud(pair, cloud_port, logs / "c2.log"))
+
+            cloud.proc.send_signal(signal.SIGSTOP)  # opens are sent, never answered
+            interrupted, reference = asyncio.run(
+                streams_and_reference(edge, LONG_PROMPTS, 40, fault)
+            )
+            assert interrupted == reference and all(interrupted)
+            if mode == "asymspec":
+                assert reopens(edge) == 0  # opened afresh, not re-opened mid-request
+    finally:
+        for service in restarted:
+            service.stop()
+
+
+def test_target_only_cloud_killed_mid_stream(pair: tuple[Path, Path], logs: Path) -> None:
+    """Phase: mid-stream, target-only mode: a live cloud goes on from the prompt plus the
+    tokens already streamed."""
+    cloud_port, edge_port = free_port(), free_port()
+    cloud = start_cloud(pair, cloud_port, logs / "c1.log")
+    cloud.wait_healthy()
+    env = edge_env(pair[1], edge_port, cloud_port, "target-only", cloud_deadline_s="60")
+    restarted: list[Service] = []
+    try:
+        with running("edge_gateway", edge_port, env, logs) as edge:
+
+            async def fault() -> None:
+                await asyncio.sleep(0.3)
+                cloud.kill()
+                await asyncio.sleep(1.0)
+                restarted.append(start_cloud(pair, cloud_port, logs / "c2.log"))
+
+            interrupted, reference = asyncio.run(streams_and_reference(edge, PROMPTS, 600, fault))
+            assert interrupted == reference and all(interrupted)
+    finally:
+        for service in restarted:
+            service.stop()
+
+
+def test_cloud_restarted_between_requests_and_a_request_sent_while_down(
+    pair: tuple[Path, Path], logs: Path
+) -> None:
+    """Phase: between requests. A request sent while the cloud is down waits for it (within
+    the deadline) instead of failing at once; the ones after it run as usual."""
+    cloud_port, edge_port = free_port(), free_port()
+    cloud = start_cloud(pair, cloud_port, logs / "c1.log")
+    cloud.wait_healthy()
+    env = edge_env(pair[1], edge_port, cloud_port, "asymspec", cloud_deadline_s="60")
+    restarted: list[Service] = []
+    try:
+        with running("edge_gateway", edge_port, env, logs) as edge:
+            body = {**greedy(PROMPTS[0], 30), "stream": False}
+            before = httpx.post(f"{edge.url}/v1/completions", json=body, timeout=60)
+            assert before.status_code == 200
+            cloud.kill()
+
+            async def while_down() -> httpx.Response:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
+                    sent = asyncio.create_task(client.post("/v1/completions", json=body))
+                    await asyncio.sleep(1.5)
+                    assert not sent.done()  # waiting for the cloud, not failed
+                    restarted.append(start_cloud(pair, cloud_port, logs / "c2.log"))
+                    return await sent
+
+            during = asyncio.run(while_down())
+            after = httpx.post(f"{edge.url}/v1/completions", json=body, timeout=60)
+            assert during.status_code == 200 and after.status_code == 200, during.text
+            texts = {r.json()["choices"][0]["text"] for r in (before, during, after)}
+            assert len(texts) == 1
+    finally:
+        for service in restarted:
+            service.stop()
+
+
+def test_replica_killed_mid_stream_its_sessions_finish_on_the_other(
+    pair: tuple[Path, Path], logs: Path
+) -> None:
+    ports = free_port(), free_port()
+    clouds = [start_cloud(pair, port, logs / f"c{i}.log") for i, port in enumerate(ports)]
+    for cloud in clouds:
+        cloud.wait_healthy()
+    edge_port = free_port()
+    env = edge_env(pair[1], edge_port, ports[0], "asymspec", cloud_deadline_s="30")
+    env["ASYMSPEC_EDGE_CLOUD_URL"] = ",".join(f"ws://127.0.0.1:{p}/v1/channel" for p in ports)
+    try:
+        with running("edge_gateway", edge_port, env, logs) as edge:
+            wait_for_replicas(edge, 2)  # /health is 200 as soon as one is connected
+
+            async def fault() -> None:
+                await asyncio.sleep(0.3)
+                # Two of the four sessions are on each replica (least-loaded placement).
+                assert cloud_sessions(ports[0]) == 2 and cloud_sessions(ports[1]) == 2
+                clouds[0].kill()  # and it stays down
+
+            interrupted, reference = asyncio.run(streams_and_reference(edge, PROMPTS, 300, fault))
+            assert interrupted == reference and all(interrupted)
+            assert reopens(edge) == 2  # the killed replica's two sessions, once each
+            assert httpx.get(f"{edge.url}/health").status_code == 200  # one replica is enough
+    finally:
+        for cloud in clouds:
+            cloud.stop()
+
+
+def test_client_leaving_while_its_session_opens_frees_both_sides(
+    cluster: tuple[int, Service, dict[str, str]],
+) -> None:
+    cloud_port, edge, _ = cluster
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            for prompt in LONG_PROMPTS:
+                sent = asyncio.create_task(client.post("/v1/completions", json=greedy(prompt, 500)))
+                await asyncio.sleep(0.05)  # the session is opening (prefill)
+                sent.cancel()  # the client hangs up
+                await asyncio.gather(sent, return_exceptions=True)
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and cloud_sessions(cloud_port) > 0:
+        time.sleep(0.1)
+    assert cloud_sessions(cloud_port) == 0
+    metrics = httpx.get(f"{edge.url}/metrics").text
+    running_line = next(
+        line for line in metrics.splitlines() if line.startswith("asymspec_num_requests_running")
+    )
+    assert float(running_line.split()[-1]) == 0
+
+
+def test_a_refused_secret_is_reported_and_fails_requests_fast(
+    pair: tuple[Path, Path], logs: Path
+) -> None:
+    cloud_port, edge_port = free_port(), free_port()
+    env = edge_env(pair[1], edge_port, cloud_port, "asymspec", cloud_deadline_s="30")
+    env["ASYMSPEC_EDGE_SHARED_SECRET"] = "not-the-clouds-secret"
+    with running("cloud_verifier", cloud_port, cloud_env(pair[0], cloud_port), logs):
+        edge = Service("edge_gateway", edge_port, env, logs / "edge.log")
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # up, but not ready: the cloud said no
+                try:
+                    health = httpx.get(f"{edge.url}/health", timeout=2)
+                    if "refused" in health.json().get("reason", ""):
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, edge.logs()
+                time.sleep(0.2)
+            assert health.status_code == 503
+            assert "the cloud refused the shared secret" in health.json()["reason"]
+            started = time.monotonic()
+            response = httpx.post(
+                f"{edge.url}/v1/completions", json={**greedy("x", 5), "stream": False}, timeout=30
+            )
+            assert response.status_code == 503 and "refused" in response.json()["error"]["message"]
+            assert time.monotonic() - started < 2  # not the 30 s deadline
+        finally:
+            edge.stop()

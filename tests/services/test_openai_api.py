@@ -69,8 +69,15 @@ class Server:
 
 
 class Harness:
-    def __init__(self, engine: LocalEngine, tokenizer: PreTrainedTokenizerFast, port: int):
+    def __init__(
+        self,
+        engine: LocalEngine,
+        tokenizer: PreTrainedTokenizerFast,
+        port: int,
+        serving: list[LocalEngine | None],
+    ):
         self.engine, self.tokenizer = engine, tokenizer
+        self.serving = serving  # what the router's engine provider returns (None: loading)
         self.base_url = f"http://127.0.0.1:{port}"
         self.http = httpx.Client(base_url=self.base_url, timeout=30)
         self.client = openai.OpenAI(
@@ -108,12 +115,13 @@ def harness() -> Iterator[Harness]:
         served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_tokens_limit=MAX_TOKENS_LIMIT
     )
     app = FastAPI()
-    app.include_router(build_router(lambda: engine, lambda: tokenizer, settings, metrics))
+    serving: list[LocalEngine | None] = [engine]
+    app.include_router(build_router(lambda: serving[0], lambda: tokenizer, settings, metrics))
     app.include_router(metrics_router(metrics.registry))
     install_error_handlers(app)
     try:
         with Server(app) as server:
-            yield Harness(engine, tokenizer, server.port)
+            yield Harness(engine, tokenizer, server.port, serving)
     finally:
         torch.set_num_threads(threads)
 
@@ -561,12 +569,12 @@ def test_unknown_route_gets_an_openai_404(harness: Harness) -> None:
     assert response.status_code == 404 and response.json()["error"]["message"]
 
 
-def test_not_ready_is_503(harness: Harness) -> None:
-    harness.engine.ready = False
+def test_still_loading_is_503(harness: Harness) -> None:
+    harness.serving[0] = None  # the draft is still loading
     try:
         response = harness.post(CMPL_PATH, {"prompt": "hi", "max_tokens": 2})
     finally:
-        harness.engine.ready = True
+        harness.serving[0] = harness.engine
     assert response.status_code == 503
     assert response.json()["error"]["type"] == "service_unavailable_error"
 
