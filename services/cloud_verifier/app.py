@@ -93,6 +93,9 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         if state.error:
             return JSONResponse({"status": "error", "reason": state.error}, status_code=503)
+        if state.batcher is not None and state.batcher.actor.failure:
+            reason = state.batcher.actor.failure
+            return JSONResponse({"status": "error", "reason": reason}, status_code=503)
         if state.channel is None:
             return JSONResponse(
                 {"status": "loading", "reason": "target model is loading"}, status_code=503

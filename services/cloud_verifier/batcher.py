@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.wire import VerifyResult
 from cloud_verifier.metrics import CloudMetrics
@@ -76,9 +77,10 @@ class Batcher:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.metrics = metrics
         self._prefilling: list[_Prefill] = []
+        self._in_flight: list[_Job] = []  # the jobs of the forward under way
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
-        self._task: asyncio.Task[None] | None = None
+        self.actor = Supervised("batcher", self._fail_waiting)
 
     # ------------------------------------------------------------------ public API
 
@@ -87,13 +89,20 @@ class Batcher:
         return self.target.vocab_size
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="batcher")
+        self.actor.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.actor.stop()
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _fail_waiting(self, error: ActorDied) -> None:
+        """The actor died: every job it holds or has queued fails with the reason."""
+        held = [p.job for p in self._prefilling] + list(self._in_flight)
+        while not self._queue.empty():
+            held.append(self._queue.get_nowait())
+        self._prefilling, self._in_flight = [], []
+        for job in held:
+            _resolve(job.future, False, error)
 
     async def prefill(self, session: Session) -> None:
         await self._submit("prefill", session)
@@ -112,6 +121,7 @@ class Batcher:
     # ------------------------------------------------------------------ the actor
 
     def _submit(self, kind: JobKind, session: Session, block: AnyBlock | None = None) -> Any:
+        self.actor.check()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Job(kind, session, future, block))
         return future
@@ -130,9 +140,11 @@ class Batcher:
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
             chunks = self._next_chunks()
+            self._in_flight = work  # so that a death fails them too
             outcomes = await loop.run_in_executor(self._worker, self._execute, work, chunks)
             for job, (ok, value) in zip(work, outcomes, strict=True):
                 _resolve(job.future, ok, value)
+            self._in_flight = []
             self._advance(chunks)
 
     async def _collect(self, wait: bool) -> list[_Job]:

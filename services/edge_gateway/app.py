@@ -48,6 +48,8 @@ class EdgeState:
             return self.error
         if self.engine is None:
             return "draft model is loading"
+        if self.scheduler is not None and self.scheduler.actor.failure:
+            return self.scheduler.actor.failure
         if self.cloud is not None:
             return self.cloud.not_ready_reason()
         return None

@@ -24,6 +24,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection
 
+from asymspec.actors import Supervised
 from asymspec.wire import (
     CorrectionRequest,
     CorrectionResponse,
@@ -108,23 +109,22 @@ class CloudChannel:
         self._connected = asyncio.Event()
         self._waiters: dict[Hashable, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[GenerateTokens | Exception]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self.actor = Supervised(f"cloud channel to {url}", self._fail_all)
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cloud-channel")
+        self.actor.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.actor.stop()
         if self._ws is not None:
             await self._ws.close()
 
     async def wait_connected(self, timeout_s: float) -> None:
+        self.actor.check()
         try:
             await asyncio.wait_for(self._connected.wait(), timeout_s)
         except TimeoutError:

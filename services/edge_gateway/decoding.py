@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asymspec.actors import ActorDied
 from asymspec.backends.draft import Draft, DraftRequest
 from asymspec.backends.engine import draw_uniform
 from asymspec.correction import Correction, Ladder, Recovered, Rung, topk_hopeless
@@ -74,9 +75,11 @@ def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
     return SamplingConfig(p.temperature, p.top_k, p.top_p, seed)
 
 
-def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout) -> GenerationError:
+def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout | ActorDied) -> GenerationError:
     if isinstance(exc, ChannelDown):
         return GenerationError(f"cloud verifier unavailable: {exc}", 503, "service_unavailable")
+    if isinstance(exc, ActorDied):
+        return GenerationError(f"the edge cannot serve: {exc}", 503, "service_unavailable")
     if isinstance(exc, ReplyTimeout):
         return GenerationError(f"cloud verifier timed out: {exc}", 504, "timeout_error")
     if isinstance(exc, CloudError) and exc.code == ErrorCode.OVERLOADED:
@@ -138,7 +141,7 @@ class SpeculativeEngine:
                 await asyncio.gather(opening, drafting, return_exceptions=True)
             async for tokens in state.run():
                 yield tokens
-        except (ChannelDown, CloudError, ReplyTimeout) as exc:
+        except (ChannelDown, CloudError, ReplyTimeout, ActorDied) as exc:
             raise _cloud_failure(exc) from exc
         finally:
             await self._close(session_id, opened_draft=state.key)
@@ -460,7 +463,7 @@ class TargetOnlyEngine:
                         raise
                 finally:
                     channel.end_stream(session_id)
-        except (ChannelDown, CloudError, ReplyTimeout) as exc:
+        except (ChannelDown, CloudError, ReplyTimeout, ActorDied) as exc:
             raise _cloud_failure(exc) from exc
         finally:
             channel_now = self.cloud.release(session_id)

@@ -53,6 +53,9 @@ class CloudReplicas:
         return reasons.pop() if len(reasons) == 1 else None
 
     def not_ready_reason(self) -> str | None:
+        dead = [c.actor.failure for c in self.channels if c.actor.failure]
+        if dead:
+            return "; ".join(dead)
         if self.connected:
             return None
         refused = self.refused

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.draft import Draft, DraftModel, DraftRequest
 from asymspec.modes import Mode
 from edge_gateway.metrics import EdgeMetrics
@@ -41,18 +42,22 @@ class DraftScheduler:
         self._ready: list[tuple[DraftRequest, asyncio.Future[Draft]]] = []
         self._wakeup = asyncio.Event()
         self._active = 0  # requests between open() and close(): the sync barrier's size
-        self._task: asyncio.Task[None] | None = None
+        self.actor = Supervised("draft scheduler", self._fail_waiting)
         self._idle_since_s = time.perf_counter()
         self.exclusive = asyncio.Lock()  # stop-and-wait: one block in flight at a time
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="draft-scheduler")
+        self.actor.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.actor.stop()
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _fail_waiting(self, error: ActorDied) -> None:
+        for _, future in self._ready:
+            if not future.done():
+                future.set_exception(error)
+        self._ready.clear()
 
     @property
     def waiting(self) -> int:
@@ -74,6 +79,7 @@ class DraftScheduler:
 
     async def propose(self, request: DraftRequest) -> Draft:
         """Queue a ready request; resolves with its block once the actor drafted it."""
+        self.actor.check()
         future: asyncio.Future[Draft] = asyncio.get_running_loop().create_future()
         self._ready.append((request, future))
         self.metrics.requests_waiting.set(len(self._ready))
