@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
+from asymspec.correction import Rung
 from asymspec.wire import (
     BlockId,
     CloseSession,
-    Commit,
     CorrectionRequest,
     CorrectionResponse,
     ErrorCode,
@@ -43,7 +43,7 @@ from asymspec.wire import (
 )
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
-from cloud_verifier.sessions import Session, rung_of
+from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
 
 log = logging.getLogger("asymspec.cloud")
@@ -184,8 +184,6 @@ class ChannelServer:
             conn.spawn(self._verify(conn, msg), msg.block.session_id, msg.block)
         elif isinstance(msg, CorrectionRequest):
             conn.spawn(self._correct(conn, msg), msg.block.session_id, msg.block)
-        elif isinstance(msg, Commit):
-            conn.spawn(self._commit(conn, msg), msg.block.session_id, msg.block)
         elif isinstance(msg, OpenSession):
             conn.spawn(self._open(conn, msg), msg.session_id)
         elif isinstance(msg, CloseSession):
@@ -214,7 +212,7 @@ class ChannelServer:
             session_id=msg.session_id,
             owner=conn.id,
             config=msg.sampling,
-            first_rung=rung_of(msg.first_kind, msg.first_size),
+            first_rung=Rung(msg.first_kind, msg.first_size),
             confirmed=[int(t) for t in msg.prompt_tokens],
         )
         if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
@@ -249,14 +247,9 @@ class ChannelServer:
 
     async def _correct(self, conn: _Connection, msg: CorrectionRequest) -> None:
         session = self._session(conn, msg.block.session_id)
-        payload = session.correct(msg.block, rung_of(msg.kind, msg.size), msg.rung)
-        self.metrics.cloud_corrections.labels(kind=msg.kind.name.lower()).inc()
+        payload = session.correct(msg.block, Rung(msg.kind, msg.size), msg.rung)
+        self.metrics.cloud_corrections.labels(kind=msg.kind.label).inc()
         await conn.send(CorrectionResponse(msg.block, payload))
-
-    async def _commit(self, conn: _Connection, msg: Commit) -> None:
-        session = self._session(conn, msg.block.session_id)
-        if msg.block == session.last_block and session.awaiting_recovery:
-            session.commit_recovered([msg.token])
 
     async def _generate(self, conn: _Connection, msg: GenerateRequest) -> None:
         """Target-only decoding (SPADE's Target baseline), one token per frame."""

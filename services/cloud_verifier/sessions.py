@@ -20,15 +20,7 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from asymspec.correction import (
-    Answer,
-    CorrectionKindName,
-    FullAnswer,
-    ProposalsAnswer,
-    Rung,
-    TopKAnswer,
-    answer,
-)
+from asymspec.correction import Rung, answer
 from asymspec.sampling import (
     SamplingParams,
     accept_block,
@@ -39,39 +31,15 @@ from asymspec.sampling import (
 )
 from asymspec.wire import (
     BlockId,
-    CorrectionKind,
     ErrorCode,
-    FullRow,
     Payload,
-    Proposals,
     SamplingConfig,
-    TopK,
     VerifyBlock,
     VerifyBlockFull,
     VerifyResult,
     WireError,
     config_digest,
 )
-
-_RUNG_KIND: dict[CorrectionKind, CorrectionKindName] = {
-    CorrectionKind.TOPK: "topk",
-    CorrectionKind.PROPOSALS: "proposals",
-    CorrectionKind.FULL: "full",
-}
-
-
-def rung_of(kind: CorrectionKind, size: int) -> Rung:
-    return Rung(_RUNG_KIND[kind], size)
-
-
-def to_payload(reply: Answer) -> Payload:
-    if isinstance(reply, TopKAnswer):
-        return TopK(reply.ids, reply.probs, reply.delta_p)
-    if isinstance(reply, ProposalsAnswer):
-        return Proposals(reply.ids, reply.probs)
-    assert isinstance(reply, FullAnswer)
-    return FullRow(reply.probs)
-
 
 AnyBlock: TypeAlias = VerifyBlock | VerifyBlockFull
 
@@ -144,7 +112,7 @@ class Session:
         return None
 
     def commit_recovered(self, tail: list[int]) -> None:
-        """The edge's recovered token (from a block's tail or a Commit) joins the prefix."""
+        """The edge's recovered token (from the next block's tail) joins the prefix."""
         self.confirmed.extend(tail)
         if tail:
             self.awaiting_recovery = False
@@ -184,7 +152,7 @@ class Session:
         else:
             self.retained_row = p_rows[n].clone()
             self.awaiting_recovery = True
-            first = to_payload(answer(self.first_rung, self.retained_row, self.rng.random))
+            first = answer(self.first_rung, self.retained_row, self.rng.random)
             self.answers[0] = first
             result = VerifyResult(msg.block, n, None, first)
         self.last_seq, self.last_block, self.last_result = msg.block.seq, msg.block, result
@@ -196,5 +164,5 @@ class Session:
         if block != self.last_block or not self.awaiting_recovery or self.retained_row is None:
             raise WireError(ErrorCode.STALE_BLOCK, f"no correction pending for block {block.seq}")
         if rung_index not in self.answers:
-            self.answers[rung_index] = to_payload(answer(rung, self.retained_row, self.rng.random))
+            self.answers[rung_index] = answer(rung, self.retained_row, self.rng.random)
         return self.answers[rung_index]

@@ -122,6 +122,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         api_keys=settings.api_keys,
         max_concurrent=settings.max_concurrent_requests,
         max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
         metrics=metrics,
     )
 

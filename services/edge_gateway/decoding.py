@@ -23,7 +23,7 @@ import torch
 from asymspec.actors import ActorDied
 from asymspec.backends.draft import Draft, DraftRequest
 from asymspec.backends.engine import draw_uniform
-from asymspec.correction import Correction, Ladder, Recovered, Rung, topk_hopeless
+from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
 from asymspec.wire import (
@@ -32,13 +32,10 @@ from asymspec.wire import (
     CorrectionKind,
     CorrectionRequest,
     ErrorCode,
-    FullRow,
     GenerateRequest,
     OpenSession,
     Payload,
-    Proposals,
     SamplingConfig,
-    TopK,
     VerifyBlock,
     VerifyBlockFull,
     VerifyResult,
@@ -51,11 +48,6 @@ from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
-_WIRE_KIND = {
-    "topk": CorrectionKind.TOPK,
-    "proposals": CorrectionKind.PROPOSALS,
-    "full": CorrectionKind.FULL,
-}
 _NO_TAIL = np.zeros(0, dtype=np.uint32)
 
 
@@ -120,7 +112,7 @@ class SpeculativeEngine:
         """``first_rung``: the ladder index whose answer a rejection's verdict carries."""
         first = self.ladder.rungs()[first_rung]
         tokens = np.asarray(prompt, dtype=np.uint32)
-        return OpenSession(session_id, tokens, config, _WIRE_KIND[first.kind], first.size)
+        return OpenSession(session_id, tokens, config, first.kind, first.size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         seed = _seed(request)
@@ -366,7 +358,7 @@ class _RequestState:
         )
         payload: Payload = result.correction
         while True:
-            outcome = _apply(correction, payload)
+            outcome = correction.on_payload(payload)
             if isinstance(outcome, Recovered):
                 self._count_correction(outcome)
                 self.tail = [outcome.token]
@@ -374,34 +366,23 @@ class _RequestState:
             self.engine.metrics.correction_rounds.inc()
             self.request.stats.correction_round_trips += 1
             reply = await self.live_channel.correct(
-                CorrectionRequest(
-                    block.id, _WIRE_KIND[outcome.kind], outcome.size, correction.rung_index
-                )
+                CorrectionRequest(block.id, outcome.kind, outcome.size, correction.rung_index)
             )
             payload = reply.payload
 
     def _count_correction(self, outcome: Recovered) -> None:
         m = self.engine.metrics
-        m.corrections.labels(kind=outcome.kind).inc()
-        if outcome.kind == "topk":
+        m.corrections.labels(kind=outcome.kind.label).inc()
+        if outcome.kind is CorrectionKind.TOPK:
             m.correction_topk_k.observe(outcome.size)
         if outcome.eps:
             m.fidelity_spent.inc(outcome.eps)
-        self.request.stats.record_correction(outcome.kind, outcome.size, outcome.eps or 0.0)
+        self.request.stats.record_correction(outcome.kind.label, outcome.size, outcome.eps or 0.0)
 
 
 def _drop_first(draft: Draft) -> Draft:
     half = None if draft.half_rows is None else draft.half_rows[1:]
     return Draft(draft.tokens[1:], draft.probs[1:], draft.rows[1:], half)
-
-
-def _apply(correction: Correction, payload: Payload) -> Recovered | Rung:
-    if isinstance(payload, TopK):
-        return correction.on_topk(payload.token_ids, payload.probs, float(payload.delta_p))
-    if isinstance(payload, Proposals):
-        return correction.on_proposals(payload.token_ids, payload.probs)
-    assert isinstance(payload, FullRow)
-    return correction.on_full(payload.probs)
 
 
 class DraftOnlyEngine:

@@ -95,7 +95,7 @@ class EdgeMetrics:
     | wasted_draft_tokens | asymspec_wasted_draft_tokens_total | tokens (runahead) | engine |
     | cloud_connected | asymspec_cloud_connected | connected replicas (0/1 with one) | channel |
     | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
-    | requests_rejected | asymspec_request_rejected_total | reason=auth/overload | app |
+    | requests_rejected | asymspec_request_rejected_total | reason=auth/overload/slow_body | app |
     """
 
     registry: CollectorRegistry

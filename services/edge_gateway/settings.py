@@ -46,6 +46,12 @@ class EdgeSettings(RuntimeSettings):
         frozenset(), description="Accepted API keys (comma-separated); empty = no auth."
     )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body.")
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request body not fully received within this many seconds gets 408; "
+        "a request counts against max_concurrent_requests only once its body is in.",
+    )
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, description="HTTP port of the OpenAI-compatible API.")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="Default γ per block.")

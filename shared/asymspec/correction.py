@@ -9,13 +9,14 @@ re-samples the block.
 
 `Correction` is the edge's state machine for one rejected position; `answer` is the cloud's
 side. Both are pure apart from the uniforms passed in, so services and tests share them.
+The rungs and answers are the wire's own types (`CorrectionKind`, `TopK`, `Proposals`,
+`FullRow`): what the cloud computes is what travels, and what arrives is what the edge uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -32,8 +33,8 @@ from asymspec.sampling import (
     sample_on_support,
     topk_support,
 )
+from asymspec.wire import CorrectionKind, FullRow, Payload, Proposals, TopK
 
-CorrectionKindName = Literal["topk", "proposals", "full"]
 Row = npt.NDArray[np.floating] | torch.Tensor
 
 
@@ -41,7 +42,7 @@ Row = npt.NDArray[np.floating] | torch.Tensor
 class Rung:
     """One step of the ladder: what the edge asks the cloud for."""
 
-    kind: CorrectionKindName
+    kind: CorrectionKind
     size: int  # K for topk, N for proposals, 0 for full
 
 
@@ -68,9 +69,9 @@ class Ladder:
         return len(self.topk_steps) if topk_hopeless and self.use_topk else 0
 
     def rungs(self) -> tuple[Rung, ...]:
-        topk = [Rung("topk", k) for k in self.topk_steps] if self.use_topk else []
-        proposals = [Rung("proposals", self.num_proposals)] * self.proposal_rounds
-        return (*topk, *proposals, Rung("full", 0))
+        topk = [Rung(CorrectionKind.TOPK, k) for k in self.topk_steps] if self.use_topk else []
+        proposals = [Rung(CorrectionKind.PROPOSALS, self.num_proposals)] * self.proposal_rounds
+        return (*topk, *proposals, Rung(CorrectionKind.FULL, 0))
 
 
 def topk_hopeless(budget_remaining: float, truncated_target: bool) -> bool:
@@ -85,7 +86,7 @@ class Recovered:
     """The recovered token and how it was obtained (for metrics and the budget)."""
 
     token: int
-    kind: CorrectionKindName
+    kind: CorrectionKind
     size: int  # K reached, proposals seen, or 0 for the full row
     eps: float  # budget spent; 0 for exact paths
 
@@ -129,14 +130,14 @@ class Correction:
         if cert.drawable and self.budget.fits(cert.eps):
             self.budget.spend(cert.eps)
             token = sample_on_support(ids, probs, self._q(ids), self.uniform())
-            return Recovered(token, "topk", len(ids), cert.eps)
+            return Recovered(token, CorrectionKind.TOPK, len(ids), cert.eps)
         if topk_hopeless(self.budget.remaining, self.truncated_target) and delta_p > 0:
             return self._skip_topk()
         return self._advance()
 
     def _skip_topk(self) -> Rung:
         """Jump past the remaining top-K rungs to the first exact one."""
-        while self._advance().kind == "topk":
+        while self._advance().kind is CorrectionKind.TOPK:
             pass
         return self.rung
 
@@ -147,43 +148,30 @@ class Correction:
         uniforms = np.array([self.uniform() for _ in range(len(ids))])
         token = first_accepted_proposal(ids, probs, self._q(ids), uniforms)
         if token is not None:
-            return Recovered(token, "proposals", self.proposals_seen, 0.0)
+            return Recovered(token, CorrectionKind.PROPOSALS, self.proposals_seen, 0.0)
         return self._advance()
 
     def on_full(self, target_row: Row) -> Recovered:
         token = sample(residual(target_row, self.draft_row), self.uniform())
-        return Recovered(token, "full", 0, 0.0)
+        return Recovered(token, CorrectionKind.FULL, 0, 0.0)
+
+    def on_payload(self, payload: Payload) -> Recovered | Rung:
+        """The cloud's answer to the rung this correction is waiting for."""
+        if isinstance(payload, TopK):
+            return self.on_topk(payload.token_ids, payload.probs, float(payload.delta_p))
+        if isinstance(payload, Proposals):
+            return self.on_proposals(payload.token_ids, payload.probs)
+        return self.on_full(payload.probs)
 
 
-@dataclass(frozen=True, slots=True)
-class TopKAnswer:
-    ids: npt.NDArray[np.uint32]
-    probs: npt.NDArray[np.float32]
-    delta_p: np.float32
-
-
-@dataclass(frozen=True, slots=True)
-class ProposalsAnswer:
-    ids: npt.NDArray[np.uint32]
-    probs: npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True, slots=True)
-class FullAnswer:
-    probs: npt.NDArray[np.float32]
-
-
-Answer = TopKAnswer | ProposalsAnswer | FullAnswer
-
-
-def answer(rung: Rung, target_row: Row, uniform: Callable[[], float]) -> Answer:
+def answer(rung: Rung, target_row: Row, uniform: Callable[[], float]) -> Payload:
     """Cloud side: answer one rung from the retained target row p of the rejected position."""
-    if rung.kind == "topk":
-        return TopKAnswer(*topk_support(target_row, rung.size))
-    if rung.kind == "proposals":
+    if rung.kind is CorrectionKind.TOPK:
+        return TopK(*topk_support(target_row, rung.size))
+    if rung.kind is CorrectionKind.PROPOSALS:
         uniforms = np.array([uniform() for _ in range(rung.size)])
-        return ProposalsAnswer(*draw_proposals(target_row, uniforms))
-    return FullAnswer(as_float32(target_row))
+        return Proposals(*draw_proposals(target_row, uniforms))
+    return FullRow(as_float32(target_row))
 
 
 def resolve_locally(
@@ -191,12 +179,6 @@ def resolve_locally(
 ) -> Recovered:
     """Run the whole ladder in-process (reference decoder and tests): ask, answer, repeat."""
     while True:
-        reply = answer(correction.rung, target_row, cloud_uniform)
-        if isinstance(reply, TopKAnswer):
-            outcome = correction.on_topk(reply.ids, reply.probs, float(reply.delta_p))
-        elif isinstance(reply, ProposalsAnswer):
-            outcome = correction.on_proposals(reply.ids, reply.probs)
-        else:
-            outcome = correction.on_full(reply.probs)
+        outcome = correction.on_payload(answer(correction.rung, target_row, cloud_uniform))
         if isinstance(outcome, Recovered):
             return outcome

@@ -1,5 +1,5 @@
-"""The model-runtime settings both services share (device, dtype, torch threads), as a
-base class: each service's settings class adds its own env prefix and fields.
+"""The settings both services share (device, dtype, torch threads; the HTTP head timeout),
+as a base class: each service's settings class adds its own env prefix and fields.
 
 ``load`` is the one place a service turns these into a loaded engine, so the edge and
 the cloud apply threads, device and dtype the same way and log what they got.
@@ -42,6 +42,13 @@ class RuntimeSettings(BaseSettings):
         "auto",
         description="Model dtype: auto = bf16 on CUDA and on CPUs with AMX-BF16 or "
         "AVX512-BF16, else float32; float32 keeps greedy output identical to the target's.",
+    )
+
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection whose request head (request line and headers) is not in "
+        "within this many seconds is closed (slowloris).",
     )
 
     def resolved_torch_threads(self) -> int | None:

@@ -30,7 +30,7 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     8     VerifyResult       BlockId, n_accepted, next_token | nil, payload | nil
     9     CorrectionRequest  BlockId, kind, size, rung
     10    CorrectionResponse BlockId, payload
-    11    Commit             BlockId, token
+    11    (retired: Commit; the recovered token rides in the next block's tail)
     12    GenerateRequest    session_id, max_tokens, stop_token_ids
     13    GenerateTokens     session_id, tokens, done
     14    ErrorFrame         code, message, session_id | nil, BlockId | nil
@@ -83,7 +83,7 @@ class MessageType(IntEnum):
     VERIFY_RESULT = 8
     CORRECTION_REQUEST = 9
     CORRECTION_RESPONSE = 10
-    COMMIT = 11
+    # 11 was Commit, never sent: a block's committed_tail carries the recovered token.
     GENERATE_REQUEST = 12
     GENERATE_TOKENS = 13
     ERROR = 14
@@ -95,6 +95,11 @@ class CorrectionKind(IntEnum):
     TOPK = 1
     PROPOSALS = 2
     FULL = 3
+
+    @property
+    def label(self) -> str:
+        """The name metrics and per-request stats use: topk, proposals, full."""
+        return self.name.lower()
 
 
 class ErrorCode(IntEnum):
@@ -357,18 +362,6 @@ class CorrectionResponse(_Wire):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Commit(_Wire):
-    """The recovered token the edge committed; the cloud may release the retained row."""
-
-    TYPE: ClassVar[MessageType] = MessageType.COMMIT
-    block: BlockId
-    token: int
-
-    def _fields(self) -> list[Any]:
-        return [_block(self.block), self.token]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
 class GenerateRequest(_Wire):
     """Target-only generation (SPADE "Target" baseline), streamed back as GenerateTokens."""
 
@@ -416,7 +409,6 @@ Message: TypeAlias = (
     | VerifyResult
     | CorrectionRequest
     | CorrectionResponse
-    | Commit
     | GenerateRequest
     | GenerateTokens
     | ErrorFrame
@@ -697,7 +689,6 @@ _FIELD_COUNTS = MappingProxyType(
         MessageType.VERIFY_RESULT: 4,
         MessageType.CORRECTION_REQUEST: 4,
         MessageType.CORRECTION_RESPONSE: 2,
-        MessageType.COMMIT: 2,
         MessageType.GENERATE_REQUEST: 3,
         MessageType.GENERATE_TOKENS: 3,
         MessageType.ERROR: 4,
@@ -730,8 +721,6 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
             return _correction_request(f)
         case MessageType.CORRECTION_RESPONSE:
             return CorrectionResponse(f.block(), f.payload())
-        case MessageType.COMMIT:
-            return Commit(f.block(), f.uint())
         case MessageType.GENERATE_REQUEST:
             return GenerateRequest(f.uint(_U64_MAX), f.uint(), f.tokens())
         case MessageType.GENERATE_TOKENS:

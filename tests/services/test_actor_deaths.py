@@ -18,7 +18,7 @@ from asymspec.backends.target import TargetModel
 from asymspec.correction import Rung
 from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
-from asymspec.wire import SamplingConfig
+from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
@@ -58,7 +58,7 @@ def test_a_dead_batcher_fails_queued_jobs_and_refuses_new_ones() -> None:
             session_id=session_id,
             owner=1,
             config=SamplingConfig(0.0, 0, 1.0, 7),
-            first_rung=Rung("topk", 4),
+            first_rung=Rung(CorrectionKind.TOPK, 4),
             confirmed=[1, 2, 3],
         )
 

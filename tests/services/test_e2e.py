@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
@@ -161,6 +162,77 @@ def test_first_three_tokens_follow_the_target(
     counts = asyncio.run(sample_first_tokens(edges[mode], n, top_k))
     assert sum(counts.values()) == n and set(counts) <= set(joint)
     assert chi_square_pvalue(joint, counts) > 0.001
+
+
+async def sample_tokens(
+    edge: Service, n: int, length: int, temperature: float, fidelity_budget: float
+) -> list[tuple[int, ...]]:
+    """``n`` seeded samples of the first ``length`` tokens, untruncated (no top-k/top-p)."""
+    limit = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+
+        async def one(seed: int) -> tuple[int, ...]:
+            body = {
+                "model": "asymspec", "prompt": PROMPT_IDS, "max_tokens": length,
+                "temperature": temperature, "seed": seed, "ignore_eos": True,
+                "return_token_ids": True, "fidelity_budget": fidelity_budget,
+            }  # fmt: skip
+            async with limit:
+                response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return tuple(response.json()["choices"][0]["token_ids"][:length])
+
+        return list(await asyncio.gather(*(one(seed) for seed in range(n))))
+
+
+def exact_marginals(target_dir: Path, params: SamplingParams) -> list[dict[tuple[int], float]]:
+    """The exact distributions of the first and of the second generated token."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    first = transform(full_logits(model, PROMPT_IDS)[-1], params).double()
+    first = first / first.sum()
+    second = torch.zeros_like(first)
+    for token in torch.nonzero(first).flatten().tolist():
+        row = transform(full_logits(model, [*PROMPT_IDS, token])[-1], params).double()
+        second += first[token] * row / row.sum()
+    return [
+        {(t,): float(dist[t]) for t in torch.nonzero(dist).flatten().tolist()}
+        for dist in (first, second)
+    ]
+
+
+def corrections(edge: Service, kind: str) -> float:
+    text = httpx.get(f"{edge.url}/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "asymspec_corrections_total" and sample.labels.get("kind") == kind
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("budget", "rung"),
+    [(0.0, "proposals"), (0.05, "topk")],
+    ids=["exact-proposals-first", "bounded-topk"],
+)
+def test_untruncated_sampling_follows_the_target(
+    edges: dict[str, Service], pair: tuple[Path, Path], budget: float, rung: str
+) -> None:
+    """asymspec's default path: T = 0.7 with no truncation, so with ε = 0 a rejection is
+    recovered from cloud proposals first (top-K can never certify exactly), and with ε > 0
+    from a top-K whose certificate fits the budget. Both against the exact marginals of the
+    first two tokens (the χ² cannot tell an ε-bounded deviation this small from exact)."""
+    edge = edges["asymspec"]
+    before = corrections(edge, rung)
+    n = 3000
+    samples = asyncio.run(sample_tokens(edge, n, 2, 0.7, budget))
+    marginals = exact_marginals(pair[0], SamplingParams(temperature=0.7))
+    for position, exact in enumerate(marginals):
+        counts = Counter((s[position],) for s in samples)
+        assert chi_square_pvalue(exact, counts) > 0.001, position
+    used = corrections(edge, rung) - before
+    assert used > 50, f"only {used} {rung} corrections: the path under test barely ran"
 
 
 def chi_square_pvalue(

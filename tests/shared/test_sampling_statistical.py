@@ -29,6 +29,7 @@ from asymspec.sampling import (
     topk_support,
     transform,
 )
+from asymspec.wire import CorrectionKind
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def run_block(
         return (*tokens, outcome.bonus_token)
     i = outcome.n_accepted
     recovered = resolve_locally(Correction(ladder, q_rows[i], budget, edge_u), p_rows[i], cloud_u)
-    kinds[recovered.kind] += 1
+    kinds[recovered.kind.label] += 1
     return (*tokens[:i], recovered.token)
 
 
@@ -188,7 +189,7 @@ def test_bounded_topk_tv_stays_within_certificate(k: int) -> None:
         outcome = resolve_locally(
             Correction(Ladder(topk_steps=(k,)), q, budget, rng.random), p, rng.random
         )
-        assert isinstance(outcome, Recovered) and outcome.kind == "topk"
+        assert isinstance(outcome, Recovered) and outcome.kind is CorrectionKind.TOPK
         counts[outcome.token] += 1
         eps_spent.add(outcome.eps)
     (eps,) = eps_spent  # the same position always yields the same certificate
