@@ -66,7 +66,7 @@ class Session:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.params = SamplingParams(c.temperature, c.top_k, c.top_p)
+        self.params = c.params
         self.digest = config_digest(c)
         self.rng = np.random.default_rng([c.seed, 1])
         self.generator = torch.Generator().manual_seed(c.seed % 2**63)

@@ -63,8 +63,7 @@ def _session_ids() -> Iterator[int]:
 
 
 def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
-    p = request.params
-    return SamplingConfig(p.temperature, p.top_k, p.top_p, seed)
+    return SamplingConfig(request.params, seed)
 
 
 def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout | ActorDied) -> GenerationError:
@@ -180,7 +179,6 @@ class _RequestState:
         self.gamma = request.num_draft_tokens or engine.settings.num_draft_tokens
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
-        self.cached = len(request.prompt_ids) - 1  # tokens in the draft's cache
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
         self.channel: CloudChannel | None = None  # the replica the session is open on
 
@@ -249,8 +247,8 @@ class _RequestState:
         block is dropped."""
         engine = self.engine
         self.seq, self.tail, self.next_draft = 0, [], None
-        self.cached = min(self.cached, len(self.confirmed) - 1)  # the cache lags by >= 1
-        await engine.scheduler.rollback(self.key, self.cached)
+        # The draft's cache lags the confirmed prefix by >= 1 (the last token is pending).
+        await engine.scheduler.rollback(self.key, len(self.confirmed) - 1)
         await self.open()
         engine.metrics.session_reopens.inc()
 
@@ -276,8 +274,9 @@ class _RequestState:
         engine, metrics = self.engine, self.engine.metrics
         draft, self.next_draft = self.next_draft, None
         if draft is None:
-            draft = await self._draft(gamma, self.confirmed[self.cached :])
-            self.cached = len(self.confirmed) + len(draft.tokens) - 1  # pending + x_<γ fed
+            # What the draft's cache has not seen of the confirmed prefix (its owner's count).
+            cached = self.engine.scheduler.cached_length(self.key)
+            draft = await self._draft(gamma, self.confirmed[cached:])
         gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
@@ -293,8 +292,8 @@ class _RequestState:
         try:
             result = await verdict
         except BaseException:
-            if runahead is not None:  # keep the draft cache's length known for the rollback
-                self.cached += len((await runahead).tokens)
+            if runahead is not None:  # let it finish before anything rolls the cache back
+                await asyncio.gather(runahead, return_exceptions=True)
             raise
         metrics.verify_round_trip.observe(time.perf_counter() - sent_s)
         self.request.stats.verify_round_trips += 1
@@ -305,9 +304,8 @@ class _RequestState:
         self.confirmed += [*accepted, new_token]
         if runahead is not None:
             await self._adopt_runahead(await runahead, n == gamma, new_token)
-        if self.next_draft is None:
-            self.cached = min(self.cached, base_len + n)
-            await engine.scheduler.rollback(self.key, self.cached)
+        if self.next_draft is None:  # keep the accepted part of what the draft fed
+            await engine.scheduler.rollback(self.key, base_len + n)
         engine.metrics.record_block(gamma, n)
         self.request.stats.record_block(gamma, n)
         self._adapt_gamma(gamma, n)
@@ -332,7 +330,6 @@ class _RequestState:
 
     async def _adopt_runahead(self, runahead: Draft, all_accepted: bool, new_token: int) -> None:
         """Keep the runahead block if the guess held; otherwise its drafting was wasted."""
-        self.cached += len(runahead.tokens)  # x_γ and the runahead tokens but its last
         if all_accepted and new_token == int(runahead.tokens[0]):
             # Its later tokens were drafted from exactly the confirmed prefix.
             self.next_draft = _drop_first(runahead)

@@ -74,6 +74,11 @@ class DraftScheduler:
         self._wakeup.set()  # the sync barrier may now be complete
         await self._call(self.draft.close, session_id)
 
+    def cached_length(self, session_id: str) -> int:
+        """Tokens in the session's draft cache. Read between this session's own draft
+        calls (the worker changes it only inside them)."""
+        return self.draft.length(session_id)
+
     async def rollback(self, session_id: str, confirmed_len: int) -> None:
         await self._call(self.draft.rollback, session_id, confirmed_len)
 

@@ -56,6 +56,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from asymspec.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 2  # 2: the OpenSession prompt travels zlib-compressed
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
@@ -132,18 +134,17 @@ def _malformed(message: str) -> WireError:
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    temperature: float  # 0 = greedy
-    top_k: int  # 0 = disabled
-    top_p: float  # 1.0 = disabled
+    """A request's sampling settings (validated where they are made) and its seed."""
+
+    params: SamplingParams
     seed: int
 
 
 def config_digest(sampling: SamplingConfig) -> int:
     """Stable uint32 naming a sampling config, so a block cannot be verified under another."""
     # + 0.0 folds -0.0 into 0.0: both mean the same config and must digest the same.
-    canonical = struct.pack(
-        "<dQdQ", sampling.temperature + 0.0, sampling.top_k, sampling.top_p + 0.0, sampling.seed
-    )
+    p = sampling.params
+    canonical = struct.pack("<dQdQ", p.temperature + 0.0, p.top_k, p.top_p + 0.0, sampling.seed)
     return zlib.crc32(canonical)
 
 
@@ -255,8 +256,8 @@ class OpenSession(_Wire):
     first_size: int = 16
 
     def _fields(self) -> list[Any]:
-        s = self.sampling
-        sampling = [float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed)]
+        p, seed = self.sampling.params, self.sampling.seed
+        sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed)]
         first = [int(self.first_kind), self.first_size]
         prompt = zlib.compress(_u32s(self.prompt_tokens), 6)
         return [self.session_id, prompt, sampling, first]
@@ -571,9 +572,11 @@ class _Fields:
     def sampling(self) -> SamplingConfig:
         f = self.nested(4, "SamplingConfig")
         temperature, top_k, top_p, seed = f.real(), f.uint(), f.real(), f.uint(_U64_MAX)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise _malformed(f"bad sampling config: temperature={temperature}, top_p={top_p}")
-        return SamplingConfig(temperature, top_k, top_p, seed)
+        try:
+            params = SamplingParams(temperature, top_k, top_p)
+        except ValueError as exc:
+            raise _malformed(f"bad sampling config: {exc}") from None
+        return SamplingConfig(params, seed)
 
     def payload(self) -> Payload:
         value, where = self._next()
@@ -785,7 +788,7 @@ def websocket_header_bytes(payload_bytes: int, masked: bool) -> int:
 
 
 def _example_block(session_id: int = 1, seq: int = 1, base_len: int = 512) -> BlockId:
-    sampling = SamplingConfig(temperature=0.7, top_k=50, top_p=0.95, seed=1234)
+    sampling = SamplingConfig(SamplingParams(temperature=0.7, top_k=50, top_p=0.95), seed=1234)
     return BlockId(session_id, seq, base_len, config_digest(sampling))
 
 

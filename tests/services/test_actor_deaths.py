@@ -57,7 +57,7 @@ def test_a_dead_batcher_fails_queued_jobs_and_refuses_new_ones() -> None:
         return Session(
             session_id=session_id,
             owner=1,
-            config=SamplingConfig(0.0, 0, 1.0, 7),
+            config=SamplingConfig(SamplingParams(0.0, 0, 1.0), 7),
             first_rung=Rung(CorrectionKind.TOPK, 4),
             confirmed=[1, 2, 3],
         )

@@ -20,6 +20,7 @@ import websockets
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
+from asymspec.sampling_params import SamplingParams
 from asymspec.wire import (
     BlockId,
     CloseSession,
@@ -39,7 +40,7 @@ from tests.backends.conftest import full_logits
 from tests.services.processes import Service, cloud_env, free_port, running
 from tests.services.tiny_models import save_tiny_pair
 
-GREEDY = SamplingConfig(0.0, 0, 1.0, 7)
+GREEDY = SamplingConfig(SamplingParams(0.0, 0, 1.0), 7)
 PROMPT = [5, 17, 42, 99, 3]
 
 

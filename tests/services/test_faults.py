@@ -390,3 +390,51 @@ def test_a_refused_secret_is_reported_and_fails_requests_fast(
             assert time.monotonic() - started < 2  # not the 30 s deadline
         finally:
             edge.stop()
+
+
+def edge_counter(edge: Service, name: str) -> float:
+    metrics = httpx.get(f"{edge.url}/metrics").text
+    return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name))
+
+
+def test_cloud_killed_amid_correction_rounds(pair: tuple[Path, Path], logs: Path) -> None:
+    """Phase: correction rounds. Untruncated T = 0.7 with a 1-proposal ladder makes most
+    rejections cost downlink round trips; the cloud is killed as soon as they are flowing
+    (the exact instant cannot be pinned to an open round from outside, so a kill lands in
+    one with high probability, not certainty). Sampled output cannot be compared with a
+    rerun (the cloud's draws restart with the session), so every stream must finish whole."""
+    cloud_port, edge_port = free_port(), free_port()
+    cloud = start_cloud(pair, cloud_port, logs / "c1.log")
+    cloud.wait_healthy()
+    env = edge_env(
+        pair[1], edge_port, cloud_port, "asymspec", cloud_deadline_s="60",
+        num_proposals="1", proposal_rounds="4",
+    )  # fmt: skip
+    restarted: list[Service] = []
+    try:
+        with running("edge_gateway", edge_port, env, logs) as edge:
+
+            async def run() -> list[dict]:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
+                    bodies = [
+                        {"model": "m", "prompt": p, "max_tokens": 300, "temperature": 0.7,
+                         "seed": i, "ignore_eos": True}
+                        for i, p in enumerate(PROMPTS)
+                    ]  # fmt: skip
+                    sent = [
+                        asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies
+                    ]
+                    rounds = edge_counter(edge, "asymspec_correction_rounds_total")
+                    while edge_counter(edge, "asymspec_correction_rounds_total") < rounds + 5:
+                        await asyncio.sleep(0.01)
+                    cloud.kill()
+                    await asyncio.sleep(1.0)
+                    restarted.append(start_cloud(pair, cloud_port, logs / "c2.log"))
+                    return [r.json() for r in await asyncio.gather(*sent)]
+
+            results = asyncio.run(run())
+            assert all(r["usage"]["completion_tokens"] == 300 for r in results), results
+            assert reopens(edge) >= 1
+    finally:
+        for service in restarted:
+            service.stop()

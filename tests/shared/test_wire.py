@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asymspec import wire
+from asymspec.sampling_params import SamplingParams
 from asymspec.wire import (
     MAX_PROMPT_TOKENS,
     PROTOCOL_VERSION,
@@ -48,7 +49,7 @@ from asymspec.wire import (
 
 MESSAGE_TYPES = typing.get_args(Message)
 U32_MAX = 2**32 - 1
-SAMPLING = SamplingConfig(temperature=0.7, top_k=50, top_p=0.95, seed=1234)
+SAMPLING = SamplingConfig(SamplingParams(temperature=0.7, top_k=50, top_p=0.95), seed=1234)
 BLOCK = BlockId(session_id=3, seq=7, base_len=512, config_digest=config_digest(SAMPLING))
 
 
@@ -80,7 +81,7 @@ def sample_messages() -> list[Message]:
         Hello("edge-1", "s3cret"),
         HelloAck("cloud-α"),
         OpenSession(2**40, u32(1, 2, 3, U32_MAX), SAMPLING),
-        OpenSession(0, u32(), SamplingConfig(0.0, 0, 1.0, 0)),
+        OpenSession(0, u32(), SamplingConfig(SamplingParams(0.0, 0, 1.0), 0)),
         OpenSession(5, u32(1), SAMPLING, CorrectionKind.PROPOSALS, 8),
         OpenSession(6, u32(1), SAMPLING, CorrectionKind.FULL, 0),
         SessionOpened(3, 4),
@@ -169,11 +170,11 @@ def test_error_code_and_correction_kind_are_enums() -> None:
 def test_config_digest_is_stable_uint32() -> None:
     digest = config_digest(SAMPLING)
     assert 0 <= digest <= U32_MAX
-    assert digest == config_digest(SamplingConfig(0.7, 50, 0.95, 1234))
-    assert digest != config_digest(SamplingConfig(0.7, 50, 0.95, 1235))
-    assert digest != config_digest(SamplingConfig(0.8, 50, 0.95, 1234))
-    assert config_digest(SamplingConfig(-0.0, 0, 1.0, 0)) == config_digest(
-        SamplingConfig(0.0, 0, 1.0, 0)
+    assert digest == config_digest(SamplingConfig(SamplingParams(0.7, 50, 0.95), 1234))
+    assert digest != config_digest(SamplingConfig(SamplingParams(0.7, 50, 0.95), 1235))
+    assert digest != config_digest(SamplingConfig(SamplingParams(0.8, 50, 0.95), 1234))
+    assert config_digest(SamplingConfig(SamplingParams(-0.0, 0, 1.0), 0)) == config_digest(
+        SamplingConfig(SamplingParams(0.0, 0, 1.0), 0)
     )
 
 

@@ -9,8 +9,9 @@ The draft is trained by a script in this repository; its weights are committed u
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from asymspec.backends.store_settings import ModelStoreSettings
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DRAFT = "embedded:smollm2-draft"
@@ -26,10 +27,7 @@ class ModelNotPrepared(RuntimeError):
 
 def model_cache_dir() -> Path:
     """The model cache: ``$ASYMSPEC_MODEL_CACHE``, else ``~/.cache/asymspec/models``."""
-    configured = os.environ.get("ASYMSPEC_MODEL_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "asymspec" / "models"
+    return ModelStoreSettings().model_cache.expanduser()
 
 
 def is_embedded(name: str) -> bool:

@@ -9,7 +9,6 @@ download.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -19,10 +18,9 @@ from asymspec.backends.embedded import embedded_path, is_embedded
 from asymspec.backends.engine import CachedLM, SessionLM
 from asymspec.backends.hardware import pick_device, resolve_dtype
 from asymspec.backends.llama import LlamaEngine, unsupported_reason
+from asymspec.backends.store_settings import ModelStoreSettings
 
 log = logging.getLogger("asymspec.engine")
-
-ALLOW_DOWNLOAD_ENV = "ASYMSPEC_ALLOW_DOWNLOAD"
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -31,7 +29,7 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def downloads_allowed() -> bool:
-    return os.environ.get(ALLOW_DOWNLOAD_ENV, "") == "1"
+    return ModelStoreSettings().allow_download
 
 
 def load_causal_lm(
