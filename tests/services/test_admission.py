@@ -17,16 +17,21 @@ from tests.services.tiny_models import save_tiny_pair
 KEY = "sk-test-key"
 
 
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def draft_only_edge(tmp_path_factory: pytest.TempPathFactory, **settings: str) -> Iterator[Service]:
+    """A draft-only edge process (no cloud needed) with these admission settings."""
     _, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     port = free_port()
-    env = edge_env(
-        draft, port, free_port(), "draft-only",
-        api_keys=f"other-key,{KEY}", max_concurrent_requests="2", max_body_bytes="4096",
-    )  # fmt: skip
+    env = edge_env(draft, port, free_port(), "draft-only", **settings)
     with running("edge_gateway", port, env, tmp_path_factory.mktemp("logs")) as service:
         yield service
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    yield from draft_only_edge(
+        tmp_path_factory,
+        api_keys=f"other-key,{KEY}", max_concurrent_requests="2", max_body_bytes="4096",
+    )  # fmt: skip
 
 
 def post(edge: Service, body: dict, key: str | None = KEY, **kw: object) -> httpx.Response:
@@ -71,14 +76,9 @@ def test_over_the_concurrency_limit_gets_429_with_retry_after(edge: Service) -> 
 @pytest.fixture(scope="module")
 def strict_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """One request at a time, 1 s for a request's head and 1 s for its body."""
-    _, draft = save_tiny_pair(tmp_path_factory.mktemp("pair-strict"))
-    port = free_port()
-    env = edge_env(
-        draft, port, free_port(), "draft-only",
-        max_concurrent_requests="1", body_timeout_s="1", header_timeout_s="1",
-    )  # fmt: skip
-    with running("edge_gateway", port, env, tmp_path_factory.mktemp("logs")) as service:
-        yield service
+    yield from draft_only_edge(
+        tmp_path_factory, max_concurrent_requests="1", body_timeout_s="1", header_timeout_s="1"
+    )
 
 
 def read_response(sock: socket.socket) -> str:
