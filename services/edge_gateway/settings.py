@@ -89,25 +89,13 @@ class EdgeSettings(RuntimeSettings):
         "verify, correction) may go unanswered before the request fails with 504.",
     )
 
-    @field_validator("topk_steps", mode="before")
+    @field_validator("topk_steps", "cloud_urls", "api_keys", mode="before")
     @classmethod
-    def _split_ints(cls, value: object) -> object:
-        if isinstance(value, str):
-            return tuple(int(v) for v in value.split(",") if v.strip())
-        return value
-
-    @field_validator("cloud_urls", mode="before")
-    @classmethod
-    def _split_urls(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
+        """Comma-separated lists from the environment; pydantic then makes each item the
+        field's type (ints for topk_steps) and the collection the field's (a frozenset)."""
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
-        return value
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, value: object) -> object:
-        if isinstance(value, str):
-            return frozenset(v.strip() for v in value.split(",") if v.strip())
         return value
 
     @field_validator("mode")

@@ -1,7 +1,7 @@
 """The actors every request depends on, dying with work in hand: the edge's draft scheduler
-and the cloud's batcher, real ones over a tiny model, with a fault injected into their loop.
-What waited on them fails with the reason, new work is refused at once, and the owner's
-/health has the reason to report (`actor.failure`)."""
+and cloud channel and the cloud's batcher, real ones over a tiny model, with a fault
+injected into their loop. What waited on them fails with the reason, new work is refused at
+once, and the edge's /health reason names the dead actor."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
+from edge_gateway.app import EdgeState
+from edge_gateway.decoding import DraftOnlyEngine
 from edge_gateway.metrics import EdgeMetrics
+from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
+from edge_gateway.settings import EdgeSettings
 from tests.backends.conftest import build_tiny_llama
 
 
@@ -81,3 +85,37 @@ def test_a_dead_batcher_fails_queued_jobs_and_refuses_new_ones() -> None:
     failure, queued = asyncio.run(run())
     assert failure == "the batcher stopped (RuntimeError: a bug in the loop)"
     assert isinstance(queued, ActorDied)
+
+
+def test_health_reports_a_dead_scheduler_and_a_dead_channel() -> None:
+    """What /health says (``EdgeState.not_ready_reason``) once an actor has died."""
+    draft = DraftModel(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
+    metrics = EdgeMetrics.create(CollectorRegistry())
+    settings = EdgeSettings(shared_secret="s3cret-s3cret", cloud_urls="ws://127.0.0.1:9/x")
+
+    async def run() -> tuple[str | None, str | None]:
+        state = EdgeState(settings, metrics)
+        state.cloud = CloudReplicas(settings.cloud_urls, settings.shared_secret, metrics)
+        channel = state.cloud.channels[0]
+        channel._run = broken_loop  # type: ignore[method-assign]
+        state.cloud.start()
+        state.scheduler = DraftScheduler(draft, get_mode("asymspec"), 8, metrics)
+        state.engine = DraftOnlyEngine(state.scheduler)
+        await asyncio.sleep(0.05)
+        channel_reason = state.not_ready_reason()
+        state.scheduler._batch_ready = lambda: 1 / 0  # type: ignore[method-assign,assignment]
+        state.scheduler.start()
+        await state.scheduler.open("1", [1, 2])
+        request = DraftRequest("1", [2], 1, SamplingParams(temperature=0.0), torch.Generator())
+        await asyncio.gather(state.scheduler.propose(request), return_exceptions=True)
+        scheduler_reason = state.not_ready_reason()
+        await state.scheduler.stop()
+        await state.cloud.stop()
+        return channel_reason, scheduler_reason
+
+    async def broken_loop() -> None:
+        raise OSError("the channel loop broke")
+
+    channel_reason, scheduler_reason = asyncio.run(run())
+    assert channel_reason is not None and "the channel loop broke" in channel_reason
+    assert scheduler_reason is not None and "draft scheduler stopped" in scheduler_reason
