@@ -28,7 +28,6 @@ from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
 from asymspec.wire import (
     BlockId,
-    CloseSession,
     CorrectionKind,
     CorrectionRequest,
     ErrorCode,
@@ -64,6 +63,10 @@ def _session_ids() -> Iterator[int]:
 
 def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
     return SamplingConfig(request.params, seed)
+
+
+# What a request can meet from the cloud side (or a dead actor): each has its HTTP answer.
+_CLOUD_FAILURES = (ChannelDown, CloudError, ReplyTimeout, ActorDied)
 
 
 def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout | ActorDied) -> GenerationError:
@@ -132,7 +135,7 @@ class SpeculativeEngine:
                 await asyncio.gather(opening, drafting, return_exceptions=True)
             async for tokens in state.run():
                 yield tokens
-        except (ChannelDown, CloudError, ReplyTimeout, ActorDied) as exc:
+        except _CLOUD_FAILURES as exc:
             raise _cloud_failure(exc) from exc
         finally:
             await self._close(session_id, opened_draft=state.key)
@@ -143,10 +146,7 @@ class SpeculativeEngine:
 
     async def _close(self, session_id: int, opened_draft: str) -> None:
         """Close both sides of a request's session."""
-        channel = self.cloud.release(session_id)
-        if channel is not None:
-            with contextlib.suppress(ChannelDown):
-                await channel.send(CloseSession(session_id))
+        await self.cloud.close(session_id)
         with contextlib.suppress(KeyError):
             await self.scheduler.close(opened_draft)
 
@@ -180,7 +180,6 @@ class _RequestState:
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
-        self.channel: CloudChannel | None = None  # the replica the session is open on
 
     async def open(self) -> None:
         """Open the session from the confirmed prefix on a live replica. A replica lost
@@ -189,23 +188,23 @@ class _RequestState:
         engine = self.engine
         deadline_s = time.monotonic() + engine.settings.cloud_deadline_s
         while True:
-            self.channel = await engine.cloud.place(
+            channel = await engine.cloud.place(
                 self.session_id, max(0.0, deadline_s - time.monotonic())
             )
             message = engine.open_message(
                 self.session_id, self.confirmed, self.config, self.first_rung
             )
             try:
-                await self.channel.open_session(message)
+                await channel.open_session(message)
                 return
             except ChannelDown:
                 if time.monotonic() >= deadline_s:
                     raise
 
     @property
-    def live_channel(self) -> CloudChannel:
-        assert self.channel is not None, "the session is not open"
-        return self.channel
+    def channel(self) -> CloudChannel:
+        """The replica the session is open on (its placement's owner says)."""
+        return self.engine.cloud.channel_of(self.session_id)
 
     def uniform(self) -> float:
         return draw_uniform(self.generator)
@@ -287,7 +286,7 @@ class _RequestState:
         else:
             msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
         sent_s = time.perf_counter()
-        verdict = asyncio.ensure_future(self.live_channel.verify(msg))
+        verdict = asyncio.ensure_future(self.channel.verify(msg))
         runahead = self._runahead(draft) if engine.mode.runs_ahead else None
         try:
             result = await verdict
@@ -362,7 +361,7 @@ class _RequestState:
                 return outcome.token
             self.engine.metrics.correction_rounds.inc()
             self.request.stats.correction_round_trips += 1
-            reply = await self.live_channel.correct(
+            reply = await self.channel.correct(
                 CorrectionRequest(block.id, outcome.kind, outcome.size, correction.rung_index)
             )
             payload = reply.payload
@@ -441,13 +440,10 @@ class TargetOnlyEngine:
                         raise
                 finally:
                     channel.end_stream(session_id)
-        except (ChannelDown, CloudError, ReplyTimeout, ActorDied) as exc:
+        except _CLOUD_FAILURES as exc:
             raise _cloud_failure(exc) from exc
         finally:
-            channel_now = self.cloud.release(session_id)
-            if channel_now is not None:
-                with contextlib.suppress(ChannelDown):
-                    await channel_now.send(CloseSession(session_id))
+            await self.cloud.close(session_id)
 
     async def _stream(
         self,

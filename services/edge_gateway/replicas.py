@@ -11,8 +11,10 @@ with the fewest sessions of this edge, the first listed on a tie.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 
+from asymspec.wire import CloseSession
 from edge_gateway.channel import ChannelDown, CloudChannel, SessionBytes
 from edge_gateway.metrics import EdgeMetrics
 
@@ -103,6 +105,13 @@ class CloudReplicas:
         self._placed[session_id] = channel
         return channel
 
-    def release(self, session_id: int) -> CloudChannel | None:
-        """Forget a finished session's placement; the replica it was on, if any."""
-        return self._placed.pop(session_id, None)
+    def channel_of(self, session_id: int) -> CloudChannel:
+        """The replica a session is open on (it must have been placed)."""
+        return self._placed[session_id]
+
+    async def close(self, session_id: int) -> None:
+        """Close a finished session on its replica (if it got one) and forget it."""
+        channel = self._placed.pop(session_id, None)
+        if channel is not None:
+            with contextlib.suppress(ChannelDown):  # a lost replica has dropped it already
+                await channel.send(CloseSession(session_id))
