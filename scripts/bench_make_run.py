@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "shared"))
 from bench_loopback import metric_sum  # noqa: E402  # this folder: scripts run as files
 
 from asymspec.backends.hardware import colocated_threads, machine_facts  # noqa: E402
+from asymspec.modes import get_mode  # noqa: E402
 from asymspec.prompts import chat_prompts, code_as_chat, humaneval_prompts  # noqa: E402
 
 EDGE_PORT, CLOUD_PORT = 18000, 18001
@@ -289,7 +290,10 @@ def main() -> int:
     facts = {
         **machine_facts(),
         # make run's split of this machine's cores (this checkout; older ones took all)
-        "service_torch_threads": {r: colocated_threads(r) for r in ("cloud", "edge")},
+        "service_torch_threads": {
+            mode: {r: colocated_threads(r, get_mode(mode)) for r in ("cloud", "edge")}
+            for mode in args.modes
+        },
         "service_dtype": "auto (bf16 where the CPU has AMX-BF16 or AVX512-BF16)",
     }
     config = {k: str(v) for k, v in vars(args).items() if k not in ("out", "append")}

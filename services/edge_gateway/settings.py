@@ -108,6 +108,9 @@ class EdgeSettings(RuntimeSettings):
     def operating_mode(self) -> Mode:
         return get_mode(self.mode)
 
+    def edge_mode(self) -> Mode:
+        return self.operating_mode
+
     def ladder(self) -> Ladder:
         return Ladder(
             topk_steps=self.topk_steps,

@@ -18,6 +18,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.engine import SessionLM
 from asymspec.backends.hardware import Role, colocated_threads, pick_device, resolve_dtype
 from asymspec.backends.loading import load_session_lm
+from asymspec.modes import Mode, get_mode
 
 log = logging.getLogger("asymspec.runtime")
 
@@ -38,6 +39,12 @@ class RuntimeSettings(BaseSettings):
         description="The edge and the cloud share this host (make run, compose): split the "
         "cores between them instead of both taking all.",
     )
+    colocated_mode: str = Field(
+        "asymspec",
+        validation_alias=AliasChoices("ASYMSPEC_MODE", "colocated_mode"),
+        description="The edge's operating mode (the shared ASYMSPEC_MODE). Colocated, it "
+        "decides the split: target-only gives the cloud every core, draft-only the edge.",
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description="Model dtype: auto = bf16 on CUDA and on CPUs with AMX-BF16 or "
@@ -55,7 +62,13 @@ class RuntimeSettings(BaseSettings):
         """The thread count to set, or None to keep torch's default."""
         if self.torch_threads:
             return self.torch_threads
-        return colocated_threads(self.role) if self.colocated else None
+        if not self.colocated:
+            return None
+        return colocated_threads(self.role, self.edge_mode())
+
+    def edge_mode(self) -> Mode:
+        """The mode the (colocated) edge runs; the edge's own settings know it first-hand."""
+        return get_mode(self.colocated_mode)
 
     def load(self, name_or_path: str) -> tuple[SessionLM, PreTrainedTokenizerBase]:
         """Set the threads, then load the model on the resolved device and dtype."""

@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from asymspec.modes import Mode
+
 DtypeName = Literal["auto", "bfloat16", "float32"]
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -68,12 +70,17 @@ def resolve_dtype(name: DtypeName | str, device: str | torch.device) -> torch.dt
 Role = Literal["edge", "cloud"]
 
 
-def colocated_threads(role: Role, cpus: int | None = None) -> int:
+def colocated_threads(role: Role, mode: Mode, cpus: int | None = None) -> int:
     """torch threads for one of the two services when both share this host (``make run``,
-    the compose stack): the cloud's target forward is the bottleneck, so it gets most
-    cores; the draft is ~8x smaller and gets a quarter (at least one). On 2 cores: 1 + 1.
-    Giving both every core made their OpenMP threads fight (4x slower at 16 chats)."""
+    the compose stack). When both run models, the cloud's target forward is the bottleneck,
+    so it gets most cores; the draft is ~8x smaller and gets a quarter (at least one); on 2
+    cores: 1 + 1. Giving both every core made their OpenMP threads fight (4x slower at 16
+    chats). When only one side runs a model (target-only: the cloud; draft-only: the edge)
+    that side takes every core and the idle one keeps one."""
     total = cpus or os.cpu_count() or 1
+    if mode.is_target_only or mode.is_draft_only:
+        busy: Role = "cloud" if mode.is_target_only else "edge"
+        return total if role == busy else 1
     edge = max(1, total // 4)
     return edge if role == "edge" else max(1, total - edge)
 
