@@ -55,13 +55,15 @@ from asymspec.backends.engine import SessionLM
 from asymspec.backends.hardware import resolve_dtype
 from asymspec.backends.loading import session_lm
 from asymspec.backends.prepare import target_dir
-from asymspec.prompts import humaneval_prompts, render_prompt, source_prompts
+from asymspec.instructions import instructions
+from asymspec.prompts import humaneval_prompts, prose_prompts, render_prompt, source_prompts
 
 CACHE = REPO_ROOT / ".cache" / "distill"
 GENERATED = CACHE / "generated"  # one file per generation batch
 TOP_K = 32  # soft labels kept per position; the rest of the vocabulary is one "tail" bucket
 GEN_BATCH = 64  # rows per generation batch: part of the data's definition, not a knob
 VALID_EVERY = 40  # every 40th greedy source job is held back for validation
+CHAT_NEW_TOKENS = 320  # chat answers run long; most end (EOS) before this
 
 # Generic chat instructions for training. Deliberately disjoint from asymspec.prompts'
 # CHAT_PROMPTS, which stay unseen as the chat workload.
@@ -210,6 +212,27 @@ def training_jobs(tokenizer: AutoTokenizer, args: argparse.Namespace) -> list[Jo
         chat = render_prompt([{"role": "user", "content": instruction}], "chat", tokenizer)
         jobs.append(Job("chat-greedy", chat, 0.0, 160))
         jobs.append(Job("chat-t0.7", chat, 0.7, 160))
+    if args.plan == "v1":
+        return jobs
+    # v2: templated everyday chat (train subjects only), stdlib prose, and more samples
+    # of every source prompt; sampled trajectories at T = 0.7 and T = 1.0 are on-policy
+    # data for sampled serving, and each is a different text.
+    for item in instructions("train"):
+        chat = render_prompt([{"role": "user", "content": item.text}], "chat", tokenizer)
+        jobs.append(Job(f"instruct-{item.kind}-greedy", chat, 0.0, CHAT_NEW_TOKENS))
+        jobs += [Job(f"instruct-{item.kind}-t0.7", chat, 0.7, CHAT_NEW_TOKENS)] * args.chat_samples
+        jobs += [
+            Job(f"instruct-{item.kind}-t1", chat, 1.0, CHAT_NEW_TOKENS)
+        ] * args.chat_hot_samples
+    for text in prose_prompts("train"):
+        jobs.append(Job("prose-greedy", text, 0.0, 128))
+        jobs += [Job("prose-t0.7", text, 0.7, 128)] * args.prose_samples
+        jobs += [Job("prose-t1", text, 1.0, 128)] * args.prose_samples
+    for code in code_prompts[args.source_greedy :]:  # v1 took the first source_greedy
+        jobs.append(Job("source-greedy", code, 0.0, 128))
+    for code in code_prompts:
+        jobs += [Job("source-t0.7", code, 0.7, 128)] * args.source_samples
+        jobs += [Job("source-t1", code, 1.0, 128)] * args.source_samples
     return jobs
 
 
@@ -248,6 +271,9 @@ def stage_generate(args: argparse.Namespace) -> None:
     plan = generation_plan(jobs, tokenizer)
     shard, shards = (int(part) for part in args.shard.split("/"))
     mine = [n for n in range(len(plan)) if n % shards == shard]
+    # A seeded order, so that the batches done so far are a fair sample of the whole plan
+    # (the plan is sorted by temperature and length), whenever a run is stopped.
+    random.Random(args.seed).shuffle(mine)
     if args.reverse:  # a helper for a slow shard: it takes that shard's work from the end
         mine.reverse()
     folder = generated_dir(jobs, plan, args.seed)
@@ -561,7 +587,7 @@ def as_row(sequence: Sequence) -> dict[str, object]:
 STAGES = {"generate": stage_generate, "train": stage_train, "export": stage_export}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all")
     parser.add_argument("--out", type=Path, default=COMMITTED_DRAFT_DIR)
@@ -572,6 +598,11 @@ def main() -> None:
     parser.add_argument("--humaneval-samples", type=int, default=4, help="T=0.7 per prompt")
     parser.add_argument("--source-greedy", type=int, default=3000, help="source prompts")
     parser.add_argument("--source-sampled", type=int, default=800, help="of the same prompts")
+    parser.add_argument("--plan", choices=["v1", "v2"], default="v2", help="generation jobs")
+    parser.add_argument("--chat-samples", type=int, default=10, help="v2: T=0.7 per instruction")
+    parser.add_argument("--chat-hot-samples", type=int, default=8, help="v2: T=1 per instruction")
+    parser.add_argument("--prose-samples", type=int, default=4, help="v2: per temperature")
+    parser.add_argument("--source-samples", type=int, default=4, help="v2: per temperature")
     parser.add_argument("--copy-share", type=float, default=0.15, help="of training sequences")
     parser.add_argument("--init", type=Path, default=None, help="train: continue this draft")
     parser.add_argument("--epochs", type=int, default=4)
@@ -579,7 +610,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--ce-weight", type=float, default=0.5)
     parser.add_argument("--save-every", type=int, default=50)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     for name in STAGES if args.stage == "all" else [args.stage]:
         started = time.perf_counter()

@@ -38,6 +38,8 @@ HUMANEVAL_PROBLEM_COUNT = 164
 HELDOUT_EVERY = 5  # problem i is held out iff i % HELDOUT_EVERY == 0 (33 of 164)
 SOURCE_HELDOUT_EVERY = 5  # crc32("module/path.py:name") % 5 == 0: held out
 MIN_DOCSTRING_CHARS = 40  # shorter docstrings say too little to continue from
+MIN_PROSE_CHARS = 400  # a docstring this long is prose worth continuing
+PROSE_OPENING_CHARS = 160  # a prose prompt ends at the first sentence end after this
 # Not workload-like: tests, vendored third-party code, demos, 2to3 fixers.
 _SKIPPED_STDLIB_PARTS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "lib2to3", "turtledemo", "ensurepip"}
@@ -148,19 +150,76 @@ def _function_prompts(relative: str, source: str) -> list[SourcePrompt]:
     return found
 
 
-@cache
-def _all_source_prompts() -> tuple[SourcePrompt, ...]:
+def _stdlib_sources() -> list[tuple[str, str]]:
+    """(path relative to the stdlib, text) of the workload-like stdlib modules, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         path
         for path in root.rglob("*.py")
         if not _SKIPPED_STDLIB_PARTS & set(path.relative_to(root).parts)
     )
+    return [
+        (path.relative_to(root).as_posix(), path.read_text(encoding="utf-8", errors="replace"))
+        for path in files
+    ]
+
+
+@cache
+def _all_source_prompts() -> tuple[SourcePrompt, ...]:
     found: list[SourcePrompt] = []
-    for path in files:
-        source = path.read_text(encoding="utf-8", errors="replace")
-        found += _function_prompts(path.relative_to(root).as_posix(), source)
+    for relative, source in _stdlib_sources():
+        found += _function_prompts(relative, source)
     return tuple(found)
+
+
+def _prose_openings(relative: str, source: str) -> list[SourcePrompt]:
+    """The first sentences of each long module, class or function docstring: English prose
+    about software, which the model continues as plain text."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    kinds = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    nodes: list[ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef] = [tree]
+    nodes += [node for node in ast.walk(tree) if isinstance(node, kinds)]
+    found = []
+    for node in nodes:
+        doc = ast.get_docstring(node)
+        if doc is None or len(doc) < MIN_PROSE_CHARS:
+            continue
+        text = " ".join(doc.split())  # one paragraph: line breaks and indents go
+        cut = text.find(". ", PROSE_OPENING_CHARS)
+        if cut < 0 or cut > 2 * PROSE_OPENING_CHARS:
+            continue
+        name = getattr(node, "name", "")
+        found.append(SourcePrompt(key=f"{relative}:{name}", prompt=text[: cut + 1]))
+    return found
+
+
+@cache
+def _all_prose_prompts() -> tuple[SourcePrompt, ...]:
+    found: list[SourcePrompt] = []
+    for relative, source in _stdlib_sources():
+        found += _prose_openings(relative, source)
+    return tuple(found)
+
+
+def prose_prompts(split: Split = "all") -> list[str]:
+    """Prose openings (long stdlib docstrings, cut after the first sentence past 160
+    characters), split like the source prompts by ``module:name``."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'all'")
+    found = _all_prose_prompts()
+    if split == "all":
+        return [p.prompt for p in found]
+    train = list(dict.fromkeys(p.prompt for p in found if not is_source_heldout(p.key)))
+    if split == "train":
+        return train
+    # A held-out opening must not stand inside a training prompt either (a function's
+    # docstring can repeat its class's); training continues the train prompts' text.
+    trained = "\n".join([*train, *source_prompts("train")])
+    held = (p.prompt for p in found if is_source_heldout(p.key) and p.prompt not in trained)
+    return list(dict.fromkeys(held))
 
 
 def is_source_heldout(key: str) -> bool:

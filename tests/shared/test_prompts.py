@@ -116,3 +116,16 @@ def test_function_prompts_skip_short_docstrings_and_bodiless_functions() -> None
     assert [p.key for p in found] == ["m.py:documented", "m.py:method"]
     assert found[1].prompt.startswith('def method(self):\n    """A method')  # dedented
     assert prompts._function_prompts("bad.py", "def (:") == []
+
+
+def test_prose_prompts_are_docstring_openings_split_without_overlap() -> None:
+    train, heldout = prompts.prose_prompts("train"), prompts.prose_prompts("heldout")
+    assert len(train) > 300 and len(heldout) > 50
+    assert set(train).isdisjoint(heldout)
+    for text in train[:50]:
+        assert (
+            text.endswith(".")
+            and prompts.PROSE_OPENING_CHARS < len(text) <= 2 * prompts.PROSE_OPENING_CHARS + 1
+        )
+        assert "\n" not in text  # one paragraph
+    assert prompts.prose_prompts("train") == train  # deterministic
