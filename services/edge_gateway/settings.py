@@ -29,6 +29,12 @@ class EdgeSettings(RuntimeSettings):
     draft_model: str = Field(
         EMBEDDED_DRAFT, description="Draft model: an embedded name, a local path or a hub id."
     )
+    draft_head_vocab: bool = Field(
+        True,
+        description="Restrict the draft's LM head to the tokens its folder's "
+        "head_vocab.json lists (q = 0 elsewhere; exact, and most of the head's cost saved); "
+        "false = the whole vocabulary.",
+    )
     served_model_name: str = Field(
         "asymspec", description="The model id clients use in /v1/models and requests."
     )

@@ -222,3 +222,19 @@ def test_copy_weight_drafts_the_copy_and_reports_the_mixed_q(
     assert block.probs[0] == block.rows[0, int(block.tokens[0])]
     with pytest.raises(ValueError, match="copy_weight"):
         DraftModel(session_lm(tiny_draft_model), copy_weight=1.0)
+
+
+def test_a_restricted_head_drafts_only_its_tokens(tiny_draft_model: LlamaForCausalLM) -> None:
+    """q is 0 outside the head's tokens, and the rows are still distributions whose drafted
+    tokens carry exactly q_i(x_i)."""
+    lm = session_lm(tiny_draft_model)
+    kept = list(range(0, TINY_VOCAB, 3))
+    lm.restrict_head(kept)  # type: ignore[attr-defined]
+    draft = DraftModel(lm)
+    block = _propose_one(draft, [3, 6, 9, 12], gamma=6, seed=4)
+    outside = [t for t in range(TINY_VOCAB) if t not in set(kept)]
+    assert set(block.tokens.tolist()) <= set(kept)
+    assert bool(block.rows[:, outside].eq(0).all())
+    assert torch.allclose(block.rows.sum(-1), torch.ones(6))
+    for i, token in enumerate(block.tokens):
+        assert block.probs[i] == block.rows[i, int(token)] > 0.0

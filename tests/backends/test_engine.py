@@ -340,3 +340,24 @@ def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM
     assert rows.dtype == torch.float32
     expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
     assert _max_diff(torch.softmax(rows, -1), expected) <= 0.05
+
+
+def test_a_restricted_head_scores_its_tokens_and_nothing_else(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    whole, restricted = LlamaEngine(tiny_target_model), LlamaEngine(tiny_target_model)
+    kept = [0, 3, 7, 8, 40, TINY_VOCAB - 1]
+    restricted.restrict_head([7, *kept])  # duplicates and order do not matter
+    sequence = _tokens(80, 12)
+    for lm in (whole, restricted):
+        lm.open("s", sequence[:9])
+    (full_rows,) = whole.forward_new([("s", sequence[9:])])
+    (rows,) = restricted.forward_new([("s", sequence[9:])])
+    assert rows.shape == full_rows.shape == (3, TINY_VOCAB)
+    assert _max_diff(rows[:, kept], full_rows[:, kept]) <= TOLERANCE
+    outside = [t for t in range(TINY_VOCAB) if t not in kept]
+    assert bool(torch.isneginf(rows[:, outside]).all())  # probability 0
+    assert bool(torch.softmax(rows, -1)[:, outside].eq(0).all())
+    for bad in ([], [TINY_VOCAB], [-1, 2]):
+        with pytest.raises(ValueError, match="head token ids"):
+            LlamaEngine(tiny_target_model).restrict_head(bad)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from asymspec.backends import prepare
+from asymspec.backends.head_vocab import HEAD_VOCAB_FILE
 
 
 def _stamp(folder: Path, **fields: object) -> None:
@@ -89,3 +90,5 @@ def test_prepared_pair_loads_shares_the_tokenizer_and_rerun_is_a_noop() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         target_file = prepare.target_dir() / name
         assert target_file.read_bytes() == (prepare.draft_dir() / name).read_bytes()
+    committed_head = prepare.COMMITTED_DRAFT_DIR / HEAD_VOCAB_FILE  # the restricted head
+    assert (prepare.draft_dir() / HEAD_VOCAB_FILE).read_bytes() == committed_head.read_bytes()

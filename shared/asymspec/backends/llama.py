@@ -186,6 +186,7 @@ class LlamaEngine(SessionTable[_Session]):
             )
         self.final_norm = inner.norm.weight
         self.head = _Linear(model.lm_head.weight, None, self.packed)
+        self.head_ids: torch.Tensor | None = None  # set by restrict_head: the rows it scores
         self.scaling = self.head_dim**-0.5
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()  # [D/2]
@@ -334,8 +335,33 @@ class LlamaEngine(SessionTable[_Session]):
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
             return [empty for _ in batch]
         hidden = self._rms_norm(x[torch.tensor(rows, device=device)], self.final_norm)
-        logits = self.head(hidden).float()  # [sum(keeps), V]
+        if self.head_ids is None:
+            logits = self.head(hidden).float()  # [sum(keeps), V]
+        else:  # a restricted head: -inf (probability 0) outside its tokens
+            logits = torch.full(
+                (len(rows), self.vocab_size), float("-inf"), dtype=torch.float32, device=device
+            )
+            logits.index_copy_(1, self.head_ids, self.head(hidden).float())
         return list(logits.split(keeps))
+
+    @torch.inference_mode()
+    def restrict_head(self, token_ids: Sequence[int]) -> None:
+        """Score only ``token_ids``; every other token gets logit -inf, i.e. probability 0.
+
+        For a **draft** only: a draft may propose from any distribution q (acceptance and
+        recovery stay exact as long as both use the same q), and its LM head over the whole
+        vocabulary is most of its weights (49,152 x 256 of a 17M-parameter draft), so
+        scoring the few thousand tokens a target writes nearly always saves most of the head's
+        cost. A target's p must stay whole: never call this on a verifier's engine.
+        """
+        ids = torch.tensor(sorted(set(int(t) for t in token_ids)), device=self.device)
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.vocab_size:
+            raise ValueError(
+                f"head token ids must be a non-empty subset of 0..{self.vocab_size - 1}"
+            )
+        self.head = _Linear(self.model.lm_head.weight[ids].contiguous(), None, self.packed)
+        self.head_ids = ids
+        log.info("LlamaEngine: LM head restricted to %d of %d tokens", ids.numel(), self.vocab_size)
 
     def _causal_mask(self, base: int, n_new: int) -> torch.Tensor | None:
         """[g n, base + n], row j n + i for query i of group member j (the folded layout):

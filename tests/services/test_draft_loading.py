@@ -1,0 +1,25 @@
+"""The edge loads the embedded draft with its restricted head (head_vocab.json) unless told
+not to."""
+
+from __future__ import annotations
+
+import pytest
+
+from asymspec.backends.embedded import COMMITTED_DRAFT_DIR
+from asymspec.backends.head_vocab import read_head_vocab
+from asymspec.backends.llama import LlamaEngine
+from edge_gateway.app import load_draft
+from edge_gateway.settings import EdgeSettings
+
+
+@pytest.mark.parametrize("restrict", [True, False])
+def test_the_edge_restricts_the_draft_head_as_its_folder_says(restrict: bool) -> None:
+    settings = EdgeSettings(shared_secret="s" * 16, draft_head_vocab=restrict, torch_threads=1)
+    draft, _ = load_draft(settings)
+    assert isinstance(draft.lm, LlamaEngine)
+    committed = read_head_vocab(COMMITTED_DRAFT_DIR)
+    assert committed is not None and 1000 < len(committed) < draft.lm.vocab_size
+    if restrict:
+        assert draft.lm.head_ids is not None and draft.lm.head_ids.tolist() == committed
+    else:
+        assert draft.lm.head_ids is None
