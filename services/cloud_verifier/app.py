@@ -57,7 +57,12 @@ async def _load(state: CloudState) -> None:
         return
     s = state.settings
     state.batcher = Batcher(
-        target, s.max_batch_size, s.max_wait_ms / 1000, state.metrics, s.prefill_chunk_tokens
+        target,
+        s.max_batch_size,
+        s.max_wait_ms / 1000,
+        state.metrics,
+        s.prefill_chunk_tokens,
+        threads=s.forward_threads(),
     )
     state.batcher.start()
     state.channel = ChannelServer(s, state.batcher, state.metrics)

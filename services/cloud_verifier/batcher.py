@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from asymspec.actors import ActorDied, Supervised
+from asymspec.backends.hardware import ForwardThreads
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.wire import VerifyResult
 from cloud_verifier.metrics import CloudMetrics
@@ -70,8 +71,10 @@ class Batcher:
         max_wait_s: float,
         metrics: CloudMetrics,
         prefill_chunk_tokens: int = 256,
+        threads: ForwardThreads | None = None,
     ) -> None:
         self.target = target
+        self.threads = threads  # None: the thread count set at start-up, never changed
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -208,6 +211,10 @@ class Batcher:
                 results[i] = (False, RuntimeError("session closed"))
             else:
                 live.append(i)
+        if self.threads is not None:  # set on this (the worker) thread, which runs forwards
+            wanted = self.threads.for_sessions(self.target.lm.sessions())
+            if wanted != torch.get_num_threads():
+                torch.set_num_threads(wanted)
         with torch.inference_mode():
             prefills = self._start_chunks(chunks)
             if live or prefills:

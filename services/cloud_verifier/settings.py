@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from asymspec.backends.embedded import EMBEDDED_TARGET
-from asymspec.backends.hardware import Role
+from asymspec.backends.hardware import ForwardThreads, Role
 from asymspec.runtime_settings import RuntimeSettings
 
 
@@ -43,3 +44,11 @@ class CloudSettings(RuntimeSettings):
         10.0, gt=0, description="How long a new channel connection may take to send its Hello."
     )
     max_context_tokens: int = Field(8192, ge=16, description="Longest prompt + generation.")
+
+    def forward_threads(self) -> ForwardThreads | None:
+        """Colocated with automatic threads: every core while one session is open, the
+        colocated split otherwise; else None (the thread count never changes)."""
+        shared = self.resolved_torch_threads()
+        if not self.colocated or self.torch_threads or shared is None:
+            return None
+        return ForwardThreads(shared=shared, solo=os.cpu_count() or shared)
