@@ -38,9 +38,12 @@ from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import SessionLM
 from asymspec.backends.hardware import machine_facts, pick_device, resolve_dtype
-from asymspec.backends.loading import load_causal_lm, session_lm
+from asymspec.backends.head_vocab import read_head_vocab
+from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.loading import load_causal_lm, resolve_model, session_lm
 from asymspec.backends.target import TargetModel
-from asymspec.prompts import humaneval_prompts, render_prompt
+from asymspec.instructions import instructions
+from asymspec.prompts import Message, humaneval_prompts, render_prompt
 from asymspec.reference import GenerationStats, speculative_generate, target_generate
 from asymspec.sampling import SamplingParams
 
@@ -64,6 +67,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--prompts-file", type=Path, default=None, help="JSON lines of prompts")
     parser.add_argument("--prompt-style", choices=["completion", "chat"], default="completion")
+    parser.add_argument(
+        "--prompt-set",
+        choices=["humaneval-heldout", "chat-heldout"],
+        default="humaneval-heldout",
+        help="without --prompts-file: held-out HumanEval, or held-out chat instructions "
+        "(asymspec.instructions, spread over every kind; implies --prompt-style chat)",
+    )
+    parser.add_argument(
+        "--head-vocab", action="store_true", help="restrict the draft's head (head_vocab.json)"
+    )
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for (e)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ")
@@ -82,13 +95,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_prompts(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    texts: list[str | list[Message]]
+    style = args.prompt_style
     if args.prompts_file is not None:
         lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
         rows = [json.loads(line) for line in lines if line.strip()]
         texts = [row if isinstance(row, str) else row["prompt"] for row in rows]
+    elif args.prompt_set == "chat-heldout":
+        held = instructions("heldout")
+        step = max(1, len(held) // max(1, args.prompts))  # every kind, not the first few
+        texts = [[{"role": "user", "content": i.text}] for i in held[::step]]
+        style = "chat"
     else:
-        texts = humaneval_prompts("heldout")
-    rendered = [render_prompt(text, args.prompt_style, tokenizer) for text in texts]
+        texts = list(humaneval_prompts("heldout"))
+    rendered = [render_prompt(text, style, tokenizer) for text in texts]
     return [list(tokenizer(text)["input_ids"]) for text in rendered]
 
 
@@ -103,9 +123,13 @@ def load_pair(args: argparse.Namespace) -> Pair:
     if target_model.config.vocab_size != draft_model.config.vocab_size:
         raise SystemExit("the draft and the target must share one vocabulary")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    draft = session_lm(draft_model, pad_token_id=pad)
+    head = read_head_vocab(Path(resolve_model(args.draft))) if args.head_vocab else None
+    if head is not None and isinstance(draft, LlamaEngine):
+        draft.restrict_head(head)
     return Pair(
         target=session_lm(target_model, pad_token_id=pad),
-        draft=session_lm(draft_model, pad_token_id=pad),
+        draft=draft,
         target_model=target_model,
         tokenizer=tokenizer,
         load_s={"target": middle - start, "draft": end - middle},
