@@ -387,10 +387,12 @@ def print_report(results: dict[str, Any]) -> None:
 
 
 def run_sections(args: argparse.Namespace, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
-    context = long_context(prompts, 1000 + args.num_draft_tokens + 1)
+    def context() -> list[int]:  # (a) and (b) only: short chat prompts may not fill it
+        return long_context(prompts, 1000 + args.num_draft_tokens + 1)
+
     sections: dict[str, Callable[[], Any]] = {
-        "a": lambda: bench_batched_scoring(pair, context, args.num_draft_tokens),
-        "b": lambda: bench_verify_cost(pair, context, args.num_draft_tokens, args.repeats),
+        "a": lambda: bench_batched_scoring(pair, context(), args.num_draft_tokens),
+        "b": lambda: bench_verify_cost(pair, context(), args.num_draft_tokens, args.repeats),
         "c": lambda: bench_decode_step(pair, prompts, args.repeats),
         "d": lambda: pair.load_s,
         "e": lambda: bench_generation(pair, prompts[: args.prompts], args),
