@@ -166,10 +166,9 @@ def _stdlib_sources() -> list[tuple[str, str]]:
 
 @cache
 def _all_source_prompts() -> tuple[SourcePrompt, ...]:
-    found: list[SourcePrompt] = []
-    for relative, source in _stdlib_sources():
-        found += _function_prompts(relative, source)
-    return tuple(found)
+    return tuple(
+        p for relative, text in _stdlib_sources() for p in _function_prompts(relative, text)
+    )
 
 
 def _prose_openings(relative: str, source: str) -> list[SourcePrompt]:
@@ -198,10 +197,7 @@ def _prose_openings(relative: str, source: str) -> list[SourcePrompt]:
 
 @cache
 def _all_prose_prompts() -> tuple[SourcePrompt, ...]:
-    found: list[SourcePrompt] = []
-    for relative, source in _stdlib_sources():
-        found += _prose_openings(relative, source)
-    return tuple(found)
+    return tuple(p for relative, text in _stdlib_sources() for p in _prose_openings(relative, text))
 
 
 def prose_prompts(split: Split = "all") -> list[str]:

@@ -15,13 +15,10 @@ from asymspec.actors import ActorDied
 from asymspec.backends.draft import DraftModel, DraftRequest
 from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
-from asymspec.correction import Rung
 from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
-from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
-from cloud_verifier.sessions import Session
 from edge_gateway.app import EdgeState
 from edge_gateway.decoding import DraftOnlyEngine
 from edge_gateway.metrics import EdgeMetrics
@@ -29,6 +26,7 @@ from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 from tests.backends.conftest import build_tiny_llama
+from tests.services.tiny_models import greedy_cloud_session
 
 
 def test_a_dead_scheduler_fails_its_waiting_requests_and_refuses_new_ones() -> None:
@@ -57,14 +55,7 @@ def test_a_dead_batcher_fails_queued_jobs_and_refuses_new_ones() -> None:
     target = TargetModel(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
     metrics = CloudMetrics.create(CollectorRegistry())
 
-    def session(session_id: int) -> Session:
-        return Session(
-            session_id=session_id,
-            owner=1,
-            config=SamplingConfig(SamplingParams(0.0, 0, 1.0), 7),
-            first_rung=Rung(CorrectionKind.TOPK, 4),
-            confirmed=[1, 2, 3],
-        )
+    session = greedy_cloud_session
 
     async def run() -> tuple[str | None, BaseException | None]:
         batcher = Batcher(target, 8, 0.001, metrics)

@@ -12,24 +12,11 @@ from prometheus_client import CollectorRegistry
 from asymspec.backends.hardware import ForwardThreads
 from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
-from asymspec.correction import Rung
-from asymspec.sampling import SamplingParams
-from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
-from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
 from tests.backends.conftest import build_tiny_llama
-
-
-def _session(session_id: int) -> Session:
-    return Session(
-        session_id=session_id,
-        owner=1,
-        config=SamplingConfig(SamplingParams(0.0, 0, 1.0), 7),
-        first_rung=Rung(CorrectionKind.TOPK, 4),
-        confirmed=[1, 2, 3],
-    )
+from tests.services.tiny_models import greedy_cloud_session
 
 
 def test_the_batcher_takes_every_core_while_one_session_is_open() -> None:
@@ -45,7 +32,7 @@ def test_the_batcher_takes_every_core_while_one_session_is_open() -> None:
         batcher.start()
         seen = []
         for session_id in (1, 2, 3):  # each round is set up before its prefill opens
-            await batcher.prefill(_session(session_id))
+            await batcher.prefill(greedy_cloud_session(session_id))
             seen.append(worker_threads())
         await batcher.stop()
         return seen

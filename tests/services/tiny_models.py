@@ -13,6 +13,10 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from asymspec.correction import Rung
+from asymspec.sampling import SamplingParams
+from asymspec.wire import CorrectionKind, SamplingConfig
+from cloud_verifier.sessions import Session
 from tests.backends.conftest import build_tiny_llama, noisy_copy
 
 TINY_VOCAB = 320
@@ -58,3 +62,15 @@ def save_tiny_pair(root: Path, draft_noise: float = 0.02) -> tuple[Path, Path]:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return paths
+
+
+def greedy_cloud_session(session_id: int) -> Session:
+    """A greedy cloud verification session with a 3-token confirmed prefix, for tests that
+    drive the cloud's batcher directly."""
+    return Session(
+        session_id=session_id,
+        owner=1,
+        config=SamplingConfig(SamplingParams(0.0, 0, 1.0), 7),
+        first_rung=Rung(CorrectionKind.TOPK, 4),
+        confirmed=[1, 2, 3],
+    )
