@@ -38,9 +38,7 @@ from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import SessionLM
 from asymspec.backends.hardware import machine_facts, pick_device, resolve_dtype
-from asymspec.backends.head_vocab import read_head_vocab
-from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.loading import load_causal_lm, resolve_model, session_lm
+from asymspec.backends.loading import load_causal_lm, restrict_draft_head, session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.instructions import instructions
 from asymspec.prompts import Message, humaneval_prompts, render_prompt
@@ -124,9 +122,8 @@ def load_pair(args: argparse.Namespace) -> Pair:
         raise SystemExit("the draft and the target must share one vocabulary")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     draft = session_lm(draft_model, pad_token_id=pad)
-    head = read_head_vocab(Path(resolve_model(args.draft))) if args.head_vocab else None
-    if head is not None and isinstance(draft, LlamaEngine):
-        draft.restrict_head(head)
+    if args.head_vocab:
+        restrict_draft_head(draft, args.draft)
     return Pair(
         target=session_lm(target_model, pad_token_id=pad),
         draft=draft,

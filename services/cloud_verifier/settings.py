@@ -9,7 +9,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from asymspec.backends.embedded import EMBEDDED_TARGET
-from asymspec.backends.hardware import ForwardThreads, Role
+from asymspec.backends.hardware import ForwardThreads, Role, colocated_threads
 from asymspec.runtime_settings import RuntimeSettings
 
 
@@ -48,7 +48,7 @@ class CloudSettings(RuntimeSettings):
     def forward_threads(self) -> ForwardThreads | None:
         """Colocated with automatic threads: every core while one session is open, the
         colocated split otherwise; else None (the thread count never changes)."""
-        shared = self.resolved_torch_threads()
-        if not self.colocated or self.torch_threads or shared is None:
+        if self.torch_threads or not self.colocated:
             return None
+        shared = colocated_threads(self.role, self.edge_mode())
         return ForwardThreads(shared=shared, solo=os.cpu_count() or shared)

@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,9 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.draft import DraftModel
-from asymspec.backends.head_vocab import read_head_vocab
-from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.loading import resolve_model
+from asymspec.backends.loading import restrict_draft_head
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
@@ -61,12 +58,8 @@ class EdgeState:
 
 def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
     lm, tokenizer = settings.load(settings.draft_model)
-    head = read_head_vocab(Path(resolve_model(settings.draft_model)))
-    if settings.draft_head_vocab and head is not None:
-        if isinstance(lm, LlamaEngine):
-            lm.restrict_head(head)
-        else:
-            log.warning("the draft's head_vocab.json needs the LlamaEngine; whole head kept")
+    if settings.draft_head_vocab:
+        restrict_draft_head(lm, settings.draft_model)
     return DraftModel(lm, copy_weight=settings.draft_copy_weight), tokenizer
 
 

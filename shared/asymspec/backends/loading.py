@@ -9,6 +9,7 @@ download.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -17,6 +18,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.embedded import embedded_path, is_embedded
 from asymspec.backends.engine import CachedLM, SessionLM
 from asymspec.backends.hardware import pick_device, resolve_dtype
+from asymspec.backends.head_vocab import read_head_vocab
 from asymspec.backends.llama import LlamaEngine, unsupported_reason
 from asymspec.backends.store_settings import ModelStoreSettings
 
@@ -60,6 +62,20 @@ def session_lm(model: PreTrainedModel, pad_token_id: int = 0) -> SessionLM:
         return LlamaEngine(model)  # no padding, so no pad token
     log.info("CachedLM (transformers) for %s: %s", type(model).__name__, reason)
     return CachedLM(model, pad_token_id=pad_token_id)
+
+
+def restrict_draft_head(lm: SessionLM, name_or_path: str) -> bool:
+    """Restrict a draft's LM head to the tokens its folder's head_vocab.json lists (q = 0
+    elsewhere, which is exact); False when there is no such file or the engine cannot."""
+    folder = Path(resolve_model(name_or_path))
+    head = read_head_vocab(folder) if folder.is_dir() else None
+    if head is None:
+        return False
+    if not isinstance(lm, LlamaEngine):
+        log.warning("%s: head_vocab.json needs the LlamaEngine; whole head kept", name_or_path)
+        return False
+    lm.restrict_head(head)
+    return True
 
 
 def load_session_lm(
