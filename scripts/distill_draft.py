@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -54,10 +55,12 @@ from transformers import (
 from asymspec.backends.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
 from asymspec.backends.engine import SessionLM
 from asymspec.backends.hardware import resolve_dtype
+from asymspec.backends.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
 from asymspec.backends.loading import session_lm
 from asymspec.backends.prepare import target_dir
 from asymspec.instructions import instructions
 from asymspec.prompts import humaneval_prompts, prose_prompts, render_prompt, source_prompts
+from asymspec.sampling import sample_rows
 
 CACHE = REPO_ROOT / ".cache" / "distill"
 GENERATED = CACHE / "generated"  # one file per generation batch
@@ -142,6 +145,23 @@ def labels_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return top.indices.to(torch.int32), top.values.to(torch.float16)
 
 
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The product's draw (``asymspec.sampling.sample_rows``): one uniform per row."""
+    uniforms = torch.rand(len(probs), generator=generator, dtype=torch.float64)
+    return torch.tensor(sample_rows(probs, uniforms.tolist()))
+
+
+def sample_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The first batches' draw. Its exponential race draws a variate per vocabulary entry,
+    3M per 64-row step: a third of the step, against 6% for the inverse CDF."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# How a sampled row draws its token: part of a batch's definition (its folder's name).
+SAMPLERS = {"inverse-cdf": sample_inverse_cdf, "multinomial": sample_multinomial}
+DEFAULT_SAMPLER = "inverse-cdf"
+
+
 @torch.inference_mode()
 def generate_batch(
     lm: SessionLM,
@@ -150,6 +170,7 @@ def generate_batch(
     temperature: float,
     generator: torch.Generator,
     eos_id: int,
+    sampler: str = DEFAULT_SAMPLER,
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Continue the prompts on the serving engine (ragged, no padding; logits for one row
     per live prompt): per row (new tokens, top-K ids, top-K log p). Rows that finish (EOS)
@@ -171,8 +192,9 @@ def generate_batch(
             if temperature == 0.0:
                 token = logits.argmax(-1)
             else:
-                probs = torch.softmax(logits / temperature, -1)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                token = SAMPLERS[sampler](
+                    torch.softmax(logits.float() / temperature, -1), generator
+                )
             for i, row in enumerate(live):
                 tokens[row].append(int(token[i]))
                 labels[row].append((top_ids[i], top_logp[i]))
@@ -259,10 +281,24 @@ def generation_plan(jobs: list[Job], tokenizer: AutoTokenizer) -> list[list[int]
     return plan
 
 
-def generated_dir(jobs: list[Job], plan: list[list[int]], seed: int) -> Path:
-    """The batch files' folder, named by what defines the data: other options, other data."""
-    key = json.dumps([seed, [asdict(job) for job in jobs], plan])
-    return GENERATED / hashlib.sha256(key.encode()).hexdigest()[:12]
+def generated_dir(jobs: list[Job], plan: list[list[int]], seed: int, sampler: str) -> Path:
+    """The batch files' folder, named by what defines the data: other options, other data.
+    (The first sampler's folders were named before there was a choice, without it.)"""
+    defined_by = [seed, [asdict(job) for job in jobs], plan]
+    if sampler != "multinomial":
+        defined_by.append(sampler)
+    return GENERATED / hashlib.sha256(json.dumps(defined_by).encode()).hexdigest()[:12]
+
+
+def batch_files(jobs: list[Job], plan: list[list[int]], seed: int) -> dict[int, Path]:
+    """Batch number -> its file, from whichever sampler's folder holds it (the default
+    sampler's first). Each file is reproducible by its own folder's sampler, and every
+    sampler draws exactly from the target at the job's temperature, so any serves."""
+    found: dict[int, Path] = {}
+    for sampler in sorted(SAMPLERS, key=lambda name: name != DEFAULT_SAMPLER):
+        for path in sorted(generated_dir(jobs, plan, seed, sampler).glob("batch_*.pt")):
+            found.setdefault(int(path.stem.removeprefix("batch_")), path)
+    return found
 
 
 def stage_generate(args: argparse.Namespace) -> None:
@@ -277,12 +313,12 @@ def stage_generate(args: argparse.Namespace) -> None:
     random.Random(args.seed).shuffle(mine)
     if args.reverse:  # a helper for a slow shard: it takes that shard's work from the end
         mine.reverse()
-    folder = generated_dir(jobs, plan, args.seed)
+    folder = generated_dir(jobs, plan, args.seed, args.sampler)
     folder.mkdir(parents=True, exist_ok=True)
     started, made = time.perf_counter(), 0
     for number in mine:
         path = folder / f"batch_{number:05d}.pt"
-        if path.is_file():
+        if number in batch_files(jobs, plan, args.seed):  # by any sampler
             continue
         part = [jobs[i] for i in plan[number]]
         prompts = [tokenizer(job.text).input_ids for job in part]
@@ -294,6 +330,7 @@ def stage_generate(args: argparse.Namespace) -> None:
             part[0].temperature,
             generator,
             tokenizer.eos_token_id,
+            args.sampler,
         )
         rows = []
         for job, prompt, (new, top_ids, top_logp) in zip(part, prompts, outputs, strict=True):
@@ -344,13 +381,12 @@ def training_data(args: argparse.Namespace) -> tuple[list[Sequence], list[Sequen
     _, tokenizer = load_target()
     jobs = training_jobs(tokenizer, args)
     plan = generation_plan(jobs, tokenizer)
-    folder = generated_dir(jobs, plan, args.seed)
-    files = sorted(folder.glob("batch_*.pt"))
+    files = [path for _, path in sorted(batch_files(jobs, plan, args.seed).items())]
     if args.allow_partial and files:  # a fair sample: batches are generated in shuffled order
         print(f"train: {len(files)} of {len(plan)} generated batches (--allow-partial)")
     elif len(files) != len(plan):
         raise SystemExit(
-            f"{folder} holds {len(files)} of {len(plan)} generated batches; "
+            f"{len(files)} of {len(plan)} generated batches are under {GENERATED}; "
             "run --stage generate (with the same options) first"
         )
     sequences = [Sequence(**row) for path in files for row in torch.load(path)]
@@ -391,24 +427,58 @@ def pca_embedding(target_embedding: torch.Tensor, dim: int) -> torch.Tensor:
     return target_embedding @ vh[:dim].T  # (V, dim)
 
 
+class Head:
+    """The tokens the draft's LM head scores in training: the ones it will score when
+    served (``head_vocab.json``, ``LlamaEngine.restrict_head``), or the whole vocabulary.
+    Training on the served head gives the softmax the edge samples from, and skips most of
+    the head's cost: the 49,152 x 256 product was three quarters of a training step."""
+
+    def __init__(self, vocab_size: int, token_ids: list[int] | None) -> None:
+        self.ids = None if token_ids is None else torch.tensor(sorted(set(token_ids)))
+        # vocabulary id -> column of the head's logits; -1 outside the head
+        self.column = torch.arange(vocab_size)
+        if self.ids is not None:
+            self.column = torch.full((vocab_size,), -1, dtype=torch.long)
+            self.column[self.ids] = torch.arange(len(self.ids))
+
+    def logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d) -> (N, H): logits over the head's tokens."""
+        weight = model.lm_head.weight
+        return hidden @ (weight if self.ids is None else weight[self.ids]).T
+
+    def token(self, columns: torch.Tensor) -> torch.Tensor:
+        """Head columns -> vocabulary ids."""
+        return columns if self.ids is None else self.ids[columns]
+
+
 def kd_loss(
-    logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor, ce_weight: float
+    logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logp: torch.Tensor,
+    ce_weight: float,
+    head: Head,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: KL(p || q) with the vocabulary outside the target's top-K as one bucket,
     plus ``ce_weight`` x cross-entropy on the target's argmax. Returns (losses (N,), argmax
-    agreement (N,)).
+    agreement (N,)). q is 0 outside the head, so top-K tokens outside it join p's bucket
+    (the KL of the coarser partition), and the argmax's cross-entropy counts only inside.
 
-    logits: (N, V) draft; topk_ids, topk_logp: (N, K) target, log p sorted descending.
+    logits: (N, H) draft over the head; topk_ids, topk_logp: (N, K) target, log p sorted
+    descending.
     """
-    logq = logits.float().log_softmax(-1)  # (N, V)
-    logq_k = logq.gather(-1, topk_ids.long())  # (N, K)
+    logq = logits.float().log_softmax(-1)  # (N, H)
+    columns = head.column[topk_ids.long()]  # (N, K)
+    inside = columns >= 0
+    logq_k = logq.gather(-1, columns.clamp(min=0))  # (N, K); junk where outside
     logp_k = topk_logp.float()
-    p_k = logp_k.exp()
+    p_k = torch.where(inside, logp_k.exp(), 0.0)
+    q_k = torch.where(inside, logq_k.exp(), 0.0)
     tail_p = (1 - p_k.sum(-1)).clamp(min=1e-6)
-    tail_q = (1 - logq_k.exp().sum(-1)).clamp(min=1e-6)
-    kl = (p_k * (logp_k - logq_k)).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
-    ce = -logq_k[:, 0]
-    agree = (logits.argmax(-1) == topk_ids[:, 0].long()).float()
+    tail_q = (1 - q_k.sum(-1)).clamp(min=1e-6)
+    kl = (p_k * torch.where(inside, logp_k - logq_k, 0.0)).sum(-1)
+    kl = kl + tail_p * (tail_p.log() - tail_q.log())
+    ce = torch.where(inside[:, 0], -logq_k[:, 0], 0.0)
+    agree = (head.token(logits.argmax(-1)) == topk_ids[:, 0].long()).float()
     return kl + ce_weight * ce, agree
 
 
@@ -445,20 +515,25 @@ def collate(sequences: list[Sequence]) -> tuple[torch.Tensor, ...]:
 
 
 def train_step(
-    model: LlamaForCausalLM, batch: tuple[torch.Tensor, ...], ce_weight: float
+    model: LlamaForCausalLM, batch: tuple[torch.Tensor, ...], ce_weight: float, head: Head
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per labelled position: (losses (N,), argmax agreement (N,))."""
     ids, top_ids, top_logp, keep = batch
     hidden = model.model(input_ids=ids).last_hidden_state[keep]  # (N, d) labelled positions
-    return kd_loss(model.lm_head(hidden), top_ids, top_logp, ce_weight)
+    return kd_loss(head.logits(model, hidden), top_ids, top_logp, ce_weight, head)
 
 
 def new_draft(shape: DraftShape, init: Path | None = None) -> LlamaForCausalLM:
-    """A fresh draft (embedding from the target's PCA), or one continued from ``init``."""
+    """A fresh draft (embedding from the target's PCA), or one continued from ``init``
+    (deepened to ``shape``'s layers by ``deepen`` when it has fewer)."""
     if init is not None:
         model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
         if model.config.hidden_size != shape.hidden_size:
             raise SystemExit(f"{init} is not a {shape} draft")
+        if model.config.num_hidden_layers < shape.num_hidden_layers:
+            return deepen(model, shape.num_hidden_layers)
+        if model.config.num_hidden_layers > shape.num_hidden_layers:
+            raise SystemExit(f"{init} has more layers than {shape}")
         return model
     target, _ = load_target()
     model = LlamaForCausalLM(draft_config(target.config, shape))
@@ -468,17 +543,51 @@ def new_draft(shape: DraftShape, init: Path | None = None) -> LlamaForCausalLM:
     return model
 
 
+def deepen(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    """The same function with ``layers`` layers: copies of evenly spread layers inserted
+    after their originals, with their output projections (o_proj, down_proj) zeroed, so
+    each new layer adds nothing to the residual stream yet, and starts learning at once
+    (its other weights are trained ones, so their gradients are not zero)."""
+    old = model.config.num_hidden_layers
+    extra = layers - old
+    after = {round((k + 1) * old / extra) - 1 for k in range(extra)}
+    sources: list[tuple[int, bool]] = []  # (old layer, is a new copy) per new layer
+    for i in range(old):
+        sources.append((i, False))
+        if i in after:
+            sources.append((i, True))
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    grown = LlamaForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")}
+    for new, (i, fresh) in enumerate(sources):
+        prefix = f"model.layers.{i}."
+        for key, value in model.state_dict().items():
+            if key.startswith(prefix):
+                name = key.removeprefix(prefix)
+                zero = fresh and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+                state[f"model.layers.{new}.{name}"] = torch.zeros_like(value) if zero else value
+    grown.load_state_dict(state)
+    return grown
+
+
 def stage_train(args: argparse.Namespace) -> None:
     """Train, saving a resumable snapshot every ``--save-every`` steps."""
     torch.manual_seed(args.seed)
     train, valid = training_data(args)
-    model = new_draft(DraftShape(), args.init)
+    model = new_draft(DraftShape(num_hidden_layers=args.layers), args.init)
+    head = Head(model.config.vocab_size, None if args.full_head else read_head_vocab(args.out))
+    if head.ids is None and not args.full_head:
+        raise SystemExit(f"no {HEAD_VOCAB_FILE} in {args.out}: run scripts/draft_head_vocab.py")
     rng = random.Random(args.seed)
     plan = [b for _ in range(args.epochs) for b in batches(train, args.batch_tokens, rng)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(len(plan), warmup=100))
     positions = sum(len(s.topk_ids) for s in train)
-    print(f"train: {len(train)} sequences, {positions} labelled positions, {len(plan)} steps")
+    print(
+        f"train: {len(train)} sequences, {positions} labelled positions, {len(plan)} steps, "
+        f"head of {len(head.column) if head.ids is None else len(head.ids)} tokens"
+    )
     snapshot_path, first_step = CACHE / "draft_train.partial.pt", 1
     if snapshot_path.is_file() and (snap := torch.load(snapshot_path))["plan"] == len(plan):
         model.load_state_dict(snap["model"])
@@ -499,7 +608,7 @@ def stage_train(args: argparse.Namespace) -> None:
         model.train()
         batch = collate([train[i] for i in plan[step - 1]])  # outside autocast: it casts
         with autocast:
-            losses, agree = train_step(model, batch, args.ce_weight)
+            losses, agree = train_step(model, batch, args.ce_weight, head)
         losses.mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -509,7 +618,7 @@ def stage_train(args: argparse.Namespace) -> None:
             minutes = (time.perf_counter() - started) / 60
             print(
                 f"step {step}/{len(plan)} loss {losses.mean().item():.3f} "
-                f"agree {agree.mean().item():.3f} valid {json.dumps(validate(model, valid))} "
+                f"agree {agree.mean().item():.3f} valid {json.dumps(validate(model, valid, head))} "
                 f"{minutes:.1f} min",
                 flush=True,
             )
@@ -528,7 +637,8 @@ def stage_train(args: argparse.Namespace) -> None:
         "positions": positions,
         "steps": len(plan),
         "minutes_this_run": (time.perf_counter() - started) / 60,
-        "valid": validate(model, valid),
+        "valid": validate(model, valid, head),
+        "head_tokens": len(head.column) if head.ids is None else len(head.ids),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     (CACHE / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -546,7 +656,9 @@ def warmup_cosine(total: int, warmup: int):
 
 
 @torch.no_grad()
-def validate(model: LlamaForCausalLM, valid: list[Sequence], gamma: int = 4) -> dict[str, float]:
+def validate(
+    model: LlamaForCausalLM, valid: list[Sequence], head: Head, gamma: int = 4
+) -> dict[str, float]:
     """On held-back greedy trajectories: argmax agreement with the target, and the accepted
     draft tokens per block a greedy speculative loop would get (the leading run of
     agreements from each block start, at most ``gamma``)."""
@@ -554,7 +666,8 @@ def validate(model: LlamaForCausalLM, valid: list[Sequence], gamma: int = 4) -> 
     agreements, blocks = [], []
     for s in valid:
         ids, _, _, keep = collate([s])
-        predicted = model(input_ids=ids).logits[0, keep[0]].argmax(-1)
+        hidden = model.model(input_ids=ids).last_hidden_state[0, keep[0]]
+        predicted = head.token(head.logits(model, hidden).argmax(-1))
         matches = (predicted == s.topk_ids[:, 0].long()).tolist()
         agreements += matches
         blocks += greedy_blocks(matches, gamma, len(matches))
@@ -566,7 +679,7 @@ def validate(model: LlamaForCausalLM, valid: list[Sequence], gamma: int = 4) -> 
 
 def stage_export(args: argparse.Namespace) -> None:
     target, _ = load_target()
-    model = LlamaForCausalLM(draft_config(target.config, DraftShape()))
+    model = LlamaForCausalLM(draft_config(target.config, DraftShape(num_hidden_layers=args.layers)))
     model.load_state_dict(torch.load(CACHE / "draft_fp32.pt"))
     model.generation_config.bos_token_id = target.generation_config.bos_token_id
     model.generation_config.eos_token_id = target.generation_config.eos_token_id
@@ -604,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="use 1 per shard")
     parser.add_argument("--shard", default="0/1", help="generate: this shard of N, 'k/N'")
     parser.add_argument("--reverse", action="store_true", help="generate: last batch first")
+    parser.add_argument("--sampler", choices=list(SAMPLERS), default=DEFAULT_SAMPLER)
     parser.add_argument("--humaneval-samples", type=int, default=4, help="T=0.7 per prompt")
     parser.add_argument("--source-greedy", type=int, default=3000, help="source prompts")
     parser.add_argument("--source-sampled", type=int, default=800, help="of the same prompts")
@@ -623,6 +737,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-partial", action="store_true", help="train: on the batches generated so far"
     )
     parser.add_argument("--init", type=Path, default=None, help="train: continue this draft")
+    parser.add_argument(
+        "--full-head",
+        action="store_true",
+        help="train: score the whole vocabulary, not the head_vocab.json in --out",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=DraftShape.num_hidden_layers,
+        help="train, export: the draft's depth (an --init with fewer is deepened)",
+    )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
