@@ -63,6 +63,7 @@ async def _load(state: CloudState) -> None:
         state.metrics,
         s.prefill_chunk_tokens,
         threads=s.forward_threads(),
+        prefill_chunk_tokens_shared=s.prefill_chunk_tokens_shared,
     )
     state.batcher.start()
     state.channel = ChannelServer(s, state.batcher, state.metrics)

@@ -4,9 +4,13 @@ Blocks arrive asynchronously from many requests and edges. The batcher takes wha
 arrived (waiting at most max_wait after the first item, up to max_batch_size blocks) and
 verifies it with one target forward, independently of how the blocks were grouped on
 arrival (AsymSpec §IV-C2). Target-only decode steps join the same forward, and so do
-prompts: a prompt is prefilled in chunks of at most ``prefill_chunk_tokens`` that share
-each round's forward with the verify and decode work (Sarathi-style chunked prefill), so
-a long prompt never holds the target for seconds while everyone else's blocks wait.
+prompts: a prompt is prefilled in chunks that share each round's forward with the verify
+and decode work (Sarathi-style chunked prefill), so a long prompt never holds the target
+for seconds while everyone else's blocks wait. A round alone prefills up to
+``prefill_chunk_tokens``; beside other work only ``prefill_chunk_tokens_shared``, a few
+rows that ride nearly free on a forward whose cost is its weights, not its rows (on a CPU a
+256-token chunk costs several decode steps). The prompt with the fewest tokens left goes
+first, so a short prompt is not queued behind a long one.
 
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
 batcher's single worker thread, so the model and its caches have exactly one owner and the
@@ -72,12 +76,17 @@ class Batcher:
         metrics: CloudMetrics,
         prefill_chunk_tokens: int = 256,
         threads: ForwardThreads | None = None,
+        prefill_chunk_tokens_shared: int | None = None,
     ) -> None:
         self.target = target
         self.threads = threads  # None: the thread count set at start-up, never changed
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # never more than a round alone; None: as much
+        self.prefill_chunk_tokens_shared = min(
+            prefill_chunk_tokens_shared or prefill_chunk_tokens, prefill_chunk_tokens
+        )
         self.metrics = metrics
         self._prefilling: list[_Prefill] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
@@ -142,7 +151,7 @@ class Batcher:
                 if job.kind == "verify":  # decode and close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
-            chunks = self._next_chunks()
+            chunks = self._next_chunks(beside_work=bool(work))
             self._in_flight = work  # so that a death fails them too
             outcomes = await loop.run_in_executor(self._worker, self._execute, work, chunks)
             for job, (ok, value) in zip(work, outcomes, strict=True):
@@ -170,10 +179,13 @@ class Batcher:
                 break
         return jobs
 
-    def _next_chunks(self) -> list[_Chunk]:
-        """This round's prefill chunks: the oldest prompts first, within the token budget."""
-        budget, chunks = self.prefill_chunk_tokens, []
-        for prefill in self._prefilling:
+    def _next_chunks(self, beside_work: bool) -> list[_Chunk]:
+        """This round's prefill chunks, within the round's token budget: the prompts with the
+        fewest tokens left first (shortest remaining first: a short prompt's whole prefill
+        costs the long one a round's few rows), the oldest among equals."""
+        budget = self.prefill_chunk_tokens_shared if beside_work else self.prefill_chunk_tokens
+        chunks = []
+        for prefill in sorted(self._prefilling, key=lambda p: p.total - p.done):  # stable
             if budget <= 0:
                 break
             take = min(budget, prefill.total - prefill.done)

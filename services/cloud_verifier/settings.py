@@ -31,6 +31,12 @@ class CloudSettings(RuntimeSettings):
         description="Most prompt tokens prefilled per forward; the rest of a long prompt "
         "goes in later forwards, beside other sessions' verify and decode work.",
     )
+    prefill_chunk_tokens_shared: int = Field(
+        32,
+        ge=1,
+        description="Most prompt tokens prefilled in a forward that also verifies or decodes "
+        "for other sessions: few enough that their step barely slows.",
+    )
     max_wait_ms: float = Field(
         1.0, ge=0, description="How long the batcher waits for more blocks after the first one."
     )
