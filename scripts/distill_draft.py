@@ -574,6 +574,7 @@ def deepen(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
 def stage_train(args: argparse.Namespace) -> None:
     """Train, saving a resumable snapshot every ``--save-every`` steps."""
     torch.manual_seed(args.seed)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
     train, valid = training_data(args)
     model = new_draft(DraftShape(num_hidden_layers=args.layers), args.init)
     head = Head(model.config.vocab_size, None if args.full_head else read_head_vocab(args.out))
@@ -588,7 +589,7 @@ def stage_train(args: argparse.Namespace) -> None:
         f"train: {len(train)} sequences, {positions} labelled positions, {len(plan)} steps, "
         f"head of {len(head.column) if head.ids is None else len(head.ids)} tokens"
     )
-    snapshot_path, first_step = CACHE / "draft_train.partial.pt", 1
+    snapshot_path, first_step = args.run_dir / "draft_train.partial.pt", 1
     if snapshot_path.is_file() and (snap := torch.load(snapshot_path))["plan"] == len(plan):
         model.load_state_dict(snap["model"])
         optimizer.load_state_dict(snap["optimizer"])
@@ -631,7 +632,7 @@ def stage_train(args: argparse.Namespace) -> None:
             }
             torch.save(snap, snapshot_path.with_suffix(".tmp"))
             snapshot_path.with_suffix(".tmp").rename(snapshot_path)
-    torch.save(model.state_dict(), CACHE / "draft_fp32.pt")
+    torch.save(model.state_dict(), args.run_dir / "draft_fp32.pt")
     summary = {
         "sequences": len(train),
         "positions": positions,
@@ -641,7 +642,7 @@ def stage_train(args: argparse.Namespace) -> None:
         "head_tokens": len(head.column) if head.ids is None else len(head.ids),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    (CACHE / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     snapshot_path.unlink(missing_ok=True)
 
 
@@ -680,7 +681,7 @@ def validate(
 def stage_export(args: argparse.Namespace) -> None:
     target, _ = load_target()
     model = LlamaForCausalLM(draft_config(target.config, DraftShape(num_hidden_layers=args.layers)))
-    model.load_state_dict(torch.load(CACHE / "draft_fp32.pt"))
+    model.load_state_dict(torch.load(args.run_dir / "draft_fp32.pt"))
     model.generation_config.bos_token_id = target.generation_config.bos_token_id
     model.generation_config.eos_token_id = target.generation_config.eos_token_id
     model.generation_config.pad_token_id = target.generation_config.pad_token_id
@@ -735,6 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-share", type=float, default=0.15, help="of training sequences")
     parser.add_argument(
         "--allow-partial", action="store_true", help="train: on the batches generated so far"
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=CACHE,
+        help="train, export: the snapshot, fp32 weights and summary (one per parallel run)",
     )
     parser.add_argument("--init", type=Path, default=None, help="train: continue this draft")
     parser.add_argument(
