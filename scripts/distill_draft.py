@@ -316,9 +316,10 @@ def stage_generate(args: argparse.Namespace) -> None:
     folder = generated_dir(jobs, plan, args.seed, args.sampler)
     folder.mkdir(parents=True, exist_ok=True)
     started, made = time.perf_counter(), 0
+    done = batch_files(jobs, plan, args.seed)  # by any sampler; other shards own other numbers
     for number in mine:
         path = folder / f"batch_{number:05d}.pt"
-        if number in batch_files(jobs, plan, args.seed):  # by any sampler
+        if number in done:
             continue
         part = [jobs[i] for i in plan[number]]
         prompts = [tokenizer(job.text).input_ids for job in part]
@@ -441,6 +442,10 @@ class Head:
             self.column = torch.full((vocab_size,), -1, dtype=torch.long)
             self.column[self.ids] = torch.arange(len(self.ids))
 
+    @property
+    def size(self) -> int:
+        return len(self.column) if self.ids is None else len(self.ids)
+
     def logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d) -> (N, H): logits over the head's tokens."""
         weight = model.lm_head.weight
@@ -559,10 +564,11 @@ def deepen(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
     grown = LlamaForCausalLM(config)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")}
+    weights = model.state_dict()
+    state = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
     for new, (i, fresh) in enumerate(sources):
         prefix = f"model.layers.{i}."
-        for key, value in model.state_dict().items():
+        for key, value in weights.items():
             if key.startswith(prefix):
                 name = key.removeprefix(prefix)
                 zero = fresh and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -587,7 +593,7 @@ def stage_train(args: argparse.Namespace) -> None:
     positions = sum(len(s.topk_ids) for s in train)
     print(
         f"train: {len(train)} sequences, {positions} labelled positions, {len(plan)} steps, "
-        f"head of {len(head.column) if head.ids is None else len(head.ids)} tokens"
+        f"head of {head.size} tokens"
     )
     snapshot_path, first_step = args.run_dir / "draft_train.partial.pt", 1
     if snapshot_path.is_file() and (snap := torch.load(snapshot_path))["plan"] == len(plan):
@@ -639,7 +645,7 @@ def stage_train(args: argparse.Namespace) -> None:
         "steps": len(plan),
         "minutes_this_run": (time.perf_counter() - started) / 60,
         "valid": validate(model, valid, head),
-        "head_tokens": len(head.column) if head.ids is None else len(head.ids),
+        "head_tokens": head.size,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     (args.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
