@@ -37,7 +37,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import SessionLM
-from asymspec.backends.hardware import machine_facts, pick_device, resolve_dtype
+from asymspec.backends.hardware import machine_facts, pick_device, resolve_precision
 from asymspec.backends.loading import load_causal_lm, restrict_draft_head, session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.instructions import instructions
@@ -81,11 +81,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--copy-weight", type=float, default=DEFAULT_COPY_WEIGHT, help="λ; 0 = the model alone"
     )
+    parser.add_argument(
+        "--stop-confidence", type=float, default=0.0, help="τ; 0 = every block drafts γ"
+    )
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per measurement")
     parser.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16-weights"],
+        help="model precision (the services' ASYMSPEC_*_DTYPE)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", type=Path, default=None)
@@ -113,7 +119,8 @@ def load_prompts(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -
 def load_pair(args: argparse.Namespace) -> Pair:
     device = args.device or pick_device()
     start = time.perf_counter()
-    dtype = resolve_dtype(args.dtype, device)
+    precision = resolve_precision(args.dtype, device)
+    dtype = precision.dtype
     target_model, tokenizer = load_causal_lm(args.target, device, dtype)
     middle = time.perf_counter()
     draft_model, _ = load_causal_lm(args.draft, device, dtype)
@@ -121,11 +128,11 @@ def load_pair(args: argparse.Namespace) -> Pair:
     if target_model.config.vocab_size != draft_model.config.vocab_size:
         raise SystemExit("the draft and the target must share one vocabulary")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    draft = session_lm(draft_model, pad_token_id=pad)
+    draft = session_lm(draft_model, pad, precision.fp16_weights)
     if args.head_vocab:
         restrict_draft_head(draft, args.draft)
     return Pair(
-        target=session_lm(target_model, pad_token_id=pad),
+        target=session_lm(target_model, pad, precision.fp16_weights),
         draft=draft,
         target_model=target_model,
         tokenizer=tokenizer,
@@ -274,6 +281,7 @@ def _acceptance(stats: Sequence[GenerationStats], gamma: int) -> dict[str, Any]:
     return {
         "blocks": blocks,
         "mean_accepted_per_block": sum(s.accepted_tokens for s in stats) / max(blocks, 1),
+        "mean_drafted_per_block": sum(s.draft_tokens for s in stats) / max(blocks, 1),
         "acceptance_per_position": [
             a / max(d, 1) for a, d in zip(per_position, drafted, strict=True)
         ],
@@ -285,7 +293,8 @@ def _acceptance(stats: Sequence[GenerationStats], gamma: int) -> dict[str, Any]:
 def bench_generation(
     pair: Pair, prompts: Sequence[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    target, draft = TargetModel(pair.target), DraftModel(pair.draft, args.copy_weight)
+    target = TargetModel(pair.target)
+    draft = DraftModel(pair.draft, args.copy_weight, args.stop_confidence)
     eos, gamma, n = pair.tokenizer.eos_token_id, args.num_draft_tokens, args.max_new_tokens
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
     identical, greedy_stats, sampled_stats = 0, [], []
@@ -308,6 +317,7 @@ def bench_generation(
         "max_new_tokens": n,
         "gamma": gamma,
         "copy_weight": args.copy_weight,
+        "stop_confidence": args.stop_confidence,
         "greedy_identical": identical,
         "greedy_T0": _acceptance(greedy_stats, gamma),
         "sampled_T0.7": _acceptance(sampled_stats, gamma),
@@ -350,14 +360,16 @@ def print_load(d: dict[str, float]) -> None:
 def print_generation(e: dict[str, Any]) -> None:
     print(
         f"(e) greedy identical to target-only: {e['greedy_identical']}/{e['prompts']} prompts "
-        f"x {e['max_new_tokens']} tokens; γ={e['gamma']}, copy weight λ={e['copy_weight']}"
+        f"x {e['max_new_tokens']} tokens; γ={e['gamma']}, copy weight λ={e['copy_weight']}, "
+        f"stop confidence τ={e.get('stop_confidence', 0.0)}"
     )
     for name in ("greedy_T0", "sampled_T0.7"):
         row = e[name]
         per_position = ", ".join(f"{rate:.2f}" for rate in row["acceptance_per_position"])
         print(
             f"    {name}: mean accepted per block {row['mean_accepted_per_block']:.2f} over "
-            f"{row['blocks']} blocks; acceptance per position [{per_position}]"
+            f"{row['blocks']} blocks (drafted per block {row['mean_drafted_per_block']:.2f}); "
+            f"acceptance per position [{per_position}]"
         )
     wall = e["wall_s"]
     print(
@@ -408,7 +420,7 @@ def main() -> None:
         "draft": args.draft,
         "device": str(pair.target_model.device),
         "threads": torch.get_num_threads(),
-        "dtype": str(next(pair.target_model.parameters()).dtype),
+        "dtype": str(resolve_precision(args.dtype, str(pair.target_model.device))),
         "engine": type(pair.target).__name__,
         "machine": machine_facts(),
         **run_sections(args, pair, prompts),

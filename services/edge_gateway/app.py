@@ -60,7 +60,12 @@ def load_draft(settings: EdgeSettings) -> tuple[DraftModel, Any]:
     lm, tokenizer = settings.load(settings.draft_model)
     if settings.draft_head_vocab:
         restrict_draft_head(lm, settings.draft_model)
-    return DraftModel(lm, copy_weight=settings.draft_copy_weight), tokenizer
+    draft = DraftModel(
+        lm,
+        copy_weight=settings.draft_copy_weight,
+        stop_confidence=settings.draft_stop_confidence,
+    )
+    return draft, tokenizer
 
 
 async def _start(state: EdgeState) -> None:

@@ -68,6 +68,13 @@ class EdgeSettings(RuntimeSettings):
         description="λ: draft mass moved to the token that followed the context's last "
         "n-gram before (prompt lookup mixed into q); 0 = the draft model's q alone.",
     )
+    draft_stop_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="τ: a block ends after a draft token the draft gave (untempered, copy "
+        "mixed in) less than this probability; 0 = every block drafts its full γ.",
+    )
     adaptive_draft_tokens: bool = Field(
         False, description="Adapt γ per request from its observed acceptance (SPADE-style)."
     )

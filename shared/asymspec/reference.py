@@ -109,11 +109,12 @@ def _run_block(
     pending = committed[draft.length(session_id) :]
     request = DraftRequest(session_id, pending, num_draft_tokens, params, edge)
     proposal = draft.propose([request])[0]
+    gamma = len(proposal.tokens)  # the draft may end its block early (stop_confidence)
     tail = committed[target.length(session_id) :]
     new_tokens = tail + proposal.tokens.tolist()
-    logits = target.score([ScoreRequest(session_id, new_tokens, num_draft_tokens)])[0]
+    logits = target.score([ScoreRequest(session_id, new_tokens, gamma)])[0]
     p = transform(logits, params).cpu()  # [γ+1, V] p_1 .. p_{γ+1}
-    uniforms = np.array([draw_uniform(cloud) for _ in range(num_draft_tokens + 1)])  # [γ+1]
+    uniforms = np.array([draw_uniform(cloud) for _ in range(gamma + 1)])  # [γ+1]
     outcome = accept_block(proposal.tokens, proposal.probs, p.numpy(), uniforms)
     n = outcome.n_accepted
     target.commit(session_id, base + n)  # drops the rejected drafts' positions

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.engine import SessionLM
-from asymspec.backends.hardware import Role, colocated_threads, pick_device, resolve_dtype
+from asymspec.backends.hardware import Role, colocated_threads, pick_device, resolve_precision
 from asymspec.backends.loading import load_session_lm
 from asymspec.modes import Mode, get_mode
 
@@ -45,10 +45,12 @@ class RuntimeSettings(BaseSettings):
         description="The edge's operating mode (the shared ASYMSPEC_MODE). Colocated, it "
         "decides the split: target-only gives the cloud every core, draft-only the edge.",
     )
-    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+    dtype: Literal["auto", "bfloat16", "float32", "float16-weights"] = Field(
         "auto",
-        description="Model dtype: auto = bf16 on CUDA and on CPUs with AMX-BF16 or "
-        "AVX512-BF16, else float32; float32 keeps greedy output identical to the target's.",
+        description="Model precision: auto = bf16 on CUDA and on CPUs with AMX-BF16 or "
+        "AVX512-BF16, float16-weights (float32 activations, FBGEMM fp16 weights) on other "
+        "x86 CPUs with AVX2, else float32; float32 keeps greedy output identical to the "
+        "target's.",
     )
 
     header_timeout_s: float = Field(
@@ -76,13 +78,13 @@ class RuntimeSettings(BaseSettings):
         if threads is not None:
             torch.set_num_threads(threads)
         device = self.device or pick_device()
-        dtype = resolve_dtype(self.dtype, device)
+        precision = resolve_precision(self.dtype, device)
         log.info(
             "%s model %s on %s in %s, %d torch threads",
             self.role,
             name_or_path,
             device,
-            dtype,
+            precision,
             torch.get_num_threads(),
         )
-        return load_session_lm(name_or_path, device, dtype)
+        return load_session_lm(name_or_path, device, precision)

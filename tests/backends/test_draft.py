@@ -15,6 +15,7 @@ from asymspec.backends.draft import (
     Draft,
     DraftModel,
     DraftRequest,
+    confidence,
     copy_candidate,
     mix_copy,
 )
@@ -238,3 +239,31 @@ def test_a_restricted_head_drafts_only_its_tokens(tiny_draft_model: LlamaForCaus
     assert torch.allclose(block.rows.sum(-1), torch.ones(6))
     for i, token in enumerate(block.tokens):
         assert block.probs[i] == block.rows[i, int(token)] > 0.0
+
+
+def test_confidence_hand_cases() -> None:
+    """softmax([0, ln 3]) = [1/4, 3/4]; a copy takes λ of the mass."""
+    logits = torch.tensor([[0.0, float(np.log(3.0))]] * 3)
+    got = confidence(logits, [1, 1, 1], [None, 1, 0], weight=0.5)
+    assert torch.allclose(got, torch.tensor([0.75, 0.5 * 0.75 + 0.5, 0.5 * 0.75]))
+    restricted = torch.tensor([[0.0, float("-inf")]])  # a restricted head's -inf columns
+    assert confidence(restricted, [0], [None], weight=0.9).tolist() == [1.0]
+
+
+def test_a_block_ends_after_its_first_unsure_token(tiny_draft_model: LlamaForCausalLM) -> None:
+    """With τ, a block is cut right after the first token whose confidence is below τ, and
+    it is otherwise the same block (same tokens, rows and cache) as without τ."""
+    prompt, gamma = [4, 8, 15, 16], 6
+    full = _propose_one(DraftModel(session_lm(tiny_draft_model)), prompt, gamma, seed=3)
+    sure = full.probs.tolist()  # at T = 1 without a copier, q itself is the confidence
+    low, above = sorted(set(sure[:-1]))[:2]
+    tau = (low + above) / 2  # only the least sure of the first γ - 1 tokens is below it
+    cut = sure.index(low) + 1
+    assert cut < gamma
+    short_draft = DraftModel(session_lm(tiny_draft_model), stop_confidence=tau)
+    short = _propose_one(short_draft, prompt, gamma, seed=3)
+    assert short.tokens.tolist() == full.tokens[:cut].tolist()
+    assert torch.equal(short.rows, full.rows[:cut])
+    assert short_draft.length("s") == len(prompt) + cut - 1  # x_cut is sampled, never fed
+    with pytest.raises(ValueError, match="stop_confidence"):
+        DraftModel(session_lm(tiny_draft_model), stop_confidence=1.0)

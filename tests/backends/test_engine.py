@@ -3,6 +3,7 @@ recomputing from scratch."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,14 @@ from transformers import (
 
 from asymspec.backends.embedded import EMBEDDED_DRAFT, ModelNotPrepared
 from asymspec.backends.engine import CachedLM, SessionLM
-from asymspec.backends.hardware import cpu_has_native_bf16, pick_device, resolve_dtype
-from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.hardware import (
+    Precision,
+    cpu_has_native_bf16,
+    pick_device,
+    resolve_dtype,
+    resolve_precision,
+)
+from asymspec.backends.llama import LlamaEngine, WeightLayout, fp16_weights_supported
 from asymspec.backends.loading import load_causal_lm, session_lm
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
 
@@ -291,6 +298,40 @@ def test_device_and_dtype_defaults() -> None:
     assert resolve_dtype("float32", "cuda") == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16", "cpu")
+
+
+def test_precision_defaults_per_machine() -> None:
+    """auto: bf16 where it is native, float16 weights on other AVX2 x86 CPUs, else float32;
+    float32 is always plain float32 (the exact mode)."""
+    auto = resolve_precision("auto", "cpu")
+    if cpu_has_native_bf16():
+        assert auto == Precision(torch.bfloat16)
+    else:
+        assert auto == Precision(torch.float32, fp16_weights=fp16_weights_supported())
+    assert resolve_precision("float32", "cpu") == Precision(torch.float32)
+    assert resolve_precision("auto", "cuda") == Precision(torch.bfloat16)
+    with pytest.raises(ValueError, match="float16-weights"):
+        resolve_precision("float16-weights", "cuda")
+
+
+@pytest.mark.skipif(not fp16_weights_supported(), reason="needs FBGEMM on an AVX2 x86 CPU")
+def test_llama_engine_with_fp16_weights_tracks_float32(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    engine = LlamaEngine(tiny_target_model, fp16_weights=True)
+    assert engine.layout is WeightLayout.FBGEMM_FP16
+    assert resolve_precision("float16-weights", "cpu") == Precision(torch.float32, True)
+    sequence = _tokens(61, 40)
+    engine.open("s", sequence[:30])
+    (rows,) = engine.forward_new([("s", sequence[30:])])
+    assert rows.dtype == torch.float32
+    expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
+    # fp16 keeps 11 significant bits (bf16: 8), so it tracks float32 more closely than bf16.
+    assert 0.0 < _max_diff(torch.softmax(rows, -1), expected) <= 0.01
+    engine.restrict_head(range(0, 64))  # a draft's restricted head keeps the layout
+    assert engine.head.layout is WeightLayout.FBGEMM_FP16
+    with pytest.raises(ValueError, match="fp16 weights"):
+        LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16), fp16_weights=True)
 
 
 # ---------------------------------------------------------------- LlamaEngine specifics

@@ -34,10 +34,13 @@ from tests.services.tiny_models import save_tiny_pair
 SPECULATIVE = (
     "asymspec", "no-topk", "full-upload", "standard", "no-pipeline", "runahead", "pipeinfer",
 )  # fmt: skip
+STOP_CONFIDENCE = "0.1"
 # Edge variants by name: (mode, extra edge settings).
 VARIANTS = {
     **{mode: (mode, {}) for mode in ("target-only", "draft-only", *SPECULATIVE)},
     "asymspec-adaptive": ("asymspec", {"adaptive_draft_tokens": "true"}),
+    # Blocks end after an unsure draft token; τ cuts some of the tiny draft's blocks, not all.
+    "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
 }
 PROMPT_IDS = [40, 41, 42, 43, 44, 45]
 
@@ -94,7 +97,7 @@ def stream_chat(edge: Service, **body: object) -> tuple[str, dict | None, str | 
 # ---------------------------------------------------------------- greedy equivalence
 
 
-@pytest.mark.parametrize("mode", [*SPECULATIVE, "asymspec-adaptive"])
+@pytest.mark.parametrize("mode", [*SPECULATIVE, "asymspec-adaptive", "asymspec-stop"])
 def test_greedy_completions_match_target_only(edges: dict[str, Service], mode: str) -> None:
     for prompt in ("def add(a, b):", "The quick brown", PROMPT_IDS):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -153,7 +156,9 @@ async def sample_first_tokens(edge: Service, n: int, top_k: int) -> Counter[tupl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["asymspec", "no-topk", "full-upload", "runahead", "target-only"])
+@pytest.mark.parametrize(
+    "mode", ["asymspec", "asymspec-stop", "no-topk", "full-upload", "runahead", "target-only"]
+)
 def test_first_three_tokens_follow_the_target(
     edges: dict[str, Service], pair: tuple[Path, Path], mode: str
 ) -> None:
@@ -258,6 +263,21 @@ def chi_square_pvalue(
 def metric_value(edge: Service, name: str) -> float:
     text = httpx.get(f"{edge.url}/metrics").text
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_unsure_drafts_end_their_blocks_early(edges: dict[str, Service]) -> None:
+    """With τ > 0 the same greedy request is drafted in more, shorter blocks than without,
+    and some blocks still run their full γ."""
+    body = {"prompt": "The quick brown", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    per_block = {}
+    for name in ("asymspec", "asymspec-stop"):
+        blocks = metric_value(edges[name], "asymspec_spec_decode_num_drafts_total")
+        drafted = metric_value(edges[name], "asymspec_spec_decode_num_draft_tokens_total")
+        complete(edges[name], **body)
+        blocks = metric_value(edges[name], "asymspec_spec_decode_num_drafts_total") - blocks
+        drafted = metric_value(edges[name], "asymspec_spec_decode_num_draft_tokens_total") - drafted
+        per_block[name] = drafted / blocks
+    assert 1.0 < per_block["asymspec-stop"] < per_block["asymspec"] - 0.5
 
 
 def test_concurrent_streams_report_correct_usage_and_metrics(edges: dict[str, Service]) -> None:

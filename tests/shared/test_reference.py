@@ -167,21 +167,26 @@ def _exact_joint(model: LlamaForCausalLM, prompt: list[int], params: SamplingPar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("copy_weight", [0.0, 0.6])
-def test_speculative_output_is_distributed_as_the_target(copy_weight: float) -> None:
+@pytest.mark.parametrize(("copy_weight", "stop_confidence"), [(0.0, 0.0), (0.6, 0.0), (0.0, 0.15)])
+def test_speculative_output_is_distributed_as_the_target(
+    copy_weight: float, stop_confidence: float
+) -> None:
     target_model = build_tiny_llama(seed=10, hidden_size=32, vocab_size=STAT_VOCAB)
     draft_model = build_tiny_llama(seed=11, hidden_size=32, vocab_size=STAT_VOCAB)
     target = TargetModel(session_lm(target_model))
-    draft = DraftModel(session_lm(draft_model), copy_weight=copy_weight)
+    draft = DraftModel(session_lm(draft_model), copy_weight, stop_confidence)
     # "1 2" occurred before, followed by 3: with copy_weight > 0 every draft step copies.
     params, prompt = SamplingParams(temperature=1.0), [1, 2, 3, 1, 2]
     counts: Counter[tuple[int, ...]] = Counter()
-    accepted = 0
+    accepted, drafted, blocks = 0, 0, 0
     for seed in range(STAT_TRIALS):
         result = speculative_generate(target, draft, prompt, STAT_LENGTH, 2, params, seed=seed)
         counts[tuple(result.tokens)] += 1
         accepted += result.stats.accepted_tokens
+        drafted, blocks = drafted + result.stats.draft_tokens, blocks + result.stats.blocks
     assert 0.1 * STAT_TRIALS < accepted < 1.9 * STAT_TRIALS  # both accept and reject paths ran
+    if stop_confidence > 0.0:  # blocks cut after an unsure first token, and full ones, ran
+        assert blocks < drafted < 1.9 * blocks
     expected = _exact_joint(target_model, prompt, params).ravel() * STAT_TRIALS
     observed = np.zeros_like(expected)
     for tokens, count in counts.items():

@@ -16,6 +16,14 @@ mixture, i.e. the copy when λ > 1/2). This is prompt-lookup drafting mixed into
 distribution. q' is the draft distribution from then on, for the uplink and every
 correction, so speculative decoding stays exact: any q is allowed, as long as both tests
 use the same one.
+
+Ending a block early (``stop_confidence`` τ > 0): a block ends after the first draft token
+the draft itself was unsure of, its probability under the draft's untempered distribution
+(the copy mixed in as above) below τ. Positions after an unsure token are rarely accepted,
+yet each costs a draft step and a verify row. The block's length then depends only on the
+draft's side (its prefix and its own tokens), so speculative sampling stays exact: each
+verified position is still accepted with min(1, p/q) and recovered from the residual, and
+a shorter block just ends with the target's bonus token sooner.
 """
 
 from __future__ import annotations
@@ -96,11 +104,16 @@ def mix_copy(q: torch.Tensor, copy: int, weight: float, greedy: bool) -> torch.T
 class DraftModel:
     """Owns the draft LM's per-session caches; one batched forward per draft step."""
 
-    def __init__(self, lm: SessionLM, copy_weight: float = 0.0) -> None:
+    def __init__(
+        self, lm: SessionLM, copy_weight: float = 0.0, stop_confidence: float = 0.0
+    ) -> None:
         if not 0.0 <= copy_weight < 1.0:
             raise ValueError(f"copy_weight must be in [0, 1), got {copy_weight}")
+        if not 0.0 <= stop_confidence < 1.0:
+            raise ValueError(f"stop_confidence must be in [0, 1), got {stop_confidence}")
         self.lm = lm
         self.copy_weight = copy_weight  # λ; 0 = the model's own q
+        self.stop_confidence = stop_confidence  # τ; 0 = every block drafts its full γ
 
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         """Prefill all but the last prompt token, which stays pending for the first block."""
@@ -126,20 +139,26 @@ class DraftModel:
         tokens: list[list[int]] = [[] for _ in batch]
         rows: list[list[torch.Tensor]] = [[] for _ in batch]
         halves: list[list[np.ndarray]] = [[] for _ in batch]  # float16 rows, full-upload only
-        for step in range(max((r.num_draft_tokens for r in batch), default=0)):
-            active = [i for i, r in enumerate(batch) if r.num_draft_tokens > step]
+        lengths = [r.num_draft_tokens for r in batch]  # γ_r, cut short by an unsure token
+        for step in range(max(lengths, default=0)):
+            active = [i for i, length in enumerate(lengths) if length > step]
+            if not active:  # every block ended early
+                break
             inputs = [batch[i].pending_tokens if step == 0 else [tokens[i][-1]] for i in active]
-            logits = self.lm.forward_new(
-                [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)],
-                keep_rows=[1] * len(active),
+            logits = torch.cat(
+                self.lm.forward_new(
+                    [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)],
+                    keep_rows=[1] * len(active),
+                )
             )
             # One transform and one sampling pass for the whole step (a Python loop over
             # 49k-wide rows was a fifth of the edge's time under load).
-            q_rows = transform_rows(torch.cat(logits), [batch[i].params for i in active]).cpu()
+            q_rows = transform_rows(logits, [batch[i].params for i in active]).cpu()
+            copies = [self._copy(batch[i]) for i in active]
             for j, i in enumerate(active):
-                q = q_rows[j]  # [V]
-                if self.copy_weight > 0.0:
-                    q = self._with_copy(batch[i], q)
+                q, copy = q_rows[j], copies[j]  # [V]
+                if copy is not None:
+                    q = mix_copy(q, copy, self.copy_weight, batch[i].params.is_greedy)
                 if batch[i].quantize_half:
                     half = q.half().numpy()  # [V] exactly what goes on the wire
                     halves[i].append(half)
@@ -147,17 +166,36 @@ class DraftModel:
                 q_rows[j] = q
                 rows[i].append(q_rows[j])
             uniforms = [draw_uniform(batch[i].generator) for i in active]
-            for i, token in zip(active, sample_rows(q_rows, uniforms), strict=True):
+            drawn = sample_rows(q_rows, uniforms)
+            for i, token in zip(active, drawn, strict=True):
                 tokens[i].append(token)
+            if self.stop_confidence > 0.0:
+                sure = confidence(logits, drawn, copies, self.copy_weight) >= self.stop_confidence
+                for i, keep_going in zip(active, sure.tolist(), strict=True):
+                    if not keep_going:
+                        lengths[i] = step + 1
         return [_as_draft(*parts) for parts in zip(tokens, rows, halves, strict=True)]
 
-    def _with_copy(self, request: DraftRequest, q: torch.Tensor) -> torch.Tensor:
+    def _copy(self, request: DraftRequest) -> int | None:
+        """The copier's token for this step of the request, or None (no copier, no match)."""
+        if self.copy_weight == 0.0:
+            return None
         # The cache holds everything fed so far, this step's input last: the context.
-        context = np.asarray(self.lm.token_ids(request.session_id), dtype=np.int64)
-        copy = copy_candidate(context)
-        if copy is None:
-            return q
-        return mix_copy(q, copy, self.copy_weight, request.params.is_greedy)
+        return copy_candidate(np.asarray(self.lm.token_ids(request.session_id), dtype=np.int64))
+
+
+def confidence(
+    logits: torch.Tensor, tokens: Sequence[int], copies: Sequence[int | None], weight: float
+) -> torch.Tensor:
+    """[B] the probability of each drawn token under the draft's untempered distribution,
+    the copy mixed in with weight λ: the stop rule's measure of how sure the draft was. The
+    request's own q cannot serve, as a greedy q is one-hot (always sure)."""
+    logits = logits.float()  # [B, V]
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    model = torch.exp(logits.gather(1, index)[:, 0] - torch.logsumexp(logits, dim=-1)).cpu()
+    copied = torch.tensor([c is not None and c == t for c, t in zip(copies, tokens, strict=True)])
+    has_copy = torch.tensor([c is not None for c in copies])
+    return torch.where(has_copy, (1.0 - weight) * model + weight * copied.float(), model)
 
 
 def _as_draft(tokens: list[int], rows: list[torch.Tensor], halves: list[np.ndarray]) -> Draft:

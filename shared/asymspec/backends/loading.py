@@ -17,7 +17,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.embedded import embedded_path, is_embedded
 from asymspec.backends.engine import CachedLM, SessionLM
-from asymspec.backends.hardware import pick_device, resolve_dtype
+from asymspec.backends.hardware import Precision, pick_device, resolve_dtype, resolve_precision
 from asymspec.backends.head_vocab import read_head_vocab
 from asymspec.backends.llama import LlamaEngine, unsupported_reason
 from asymspec.backends.store_settings import ModelStoreSettings
@@ -54,13 +54,17 @@ def load_causal_lm(
     return model.eval(), tokenizer
 
 
-def session_lm(model: PreTrainedModel, pad_token_id: int = 0) -> SessionLM:
-    """The engine for ``model``: ``LlamaEngine`` for Llama-family decoders, else the
-    transformers-backed ``CachedLM``. The choice is logged."""
+def session_lm(
+    model: PreTrainedModel, pad_token_id: int = 0, fp16_weights: bool = False
+) -> SessionLM:
+    """The engine for ``model``: ``LlamaEngine`` for Llama-family decoders (with float16
+    weights if asked), else the transformers-backed ``CachedLM``. The choice is logged."""
     reason = unsupported_reason(model)
     if reason is None:
-        return LlamaEngine(model)  # no padding, so no pad token
+        return LlamaEngine(model, fp16_weights)  # no padding, so no pad token
     log.info("CachedLM (transformers) for %s: %s", type(model).__name__, reason)
+    if fp16_weights:
+        log.warning("CachedLM keeps the model's own weights: float16 weights not applied")
     return CachedLM(model, pad_token_id=pad_token_id)
 
 
@@ -79,9 +83,12 @@ def restrict_draft_head(lm: SessionLM, name_or_path: str) -> bool:
 
 
 def load_session_lm(
-    name_or_path: str, device: str | None = None, dtype: torch.dtype | None = None
+    name_or_path: str, device: str | None = None, precision: Precision | None = None
 ) -> tuple[SessionLM, PreTrainedTokenizerBase]:
-    """``load_causal_lm`` wrapped in its engine (``session_lm``)."""
-    model, tokenizer = load_causal_lm(name_or_path, device, dtype)
+    """``load_causal_lm`` wrapped in its engine (``session_lm``); ``precision`` defaults to
+    the device's ``auto``."""
+    device = device or pick_device()
+    precision = precision or resolve_precision("auto", device)
+    model, tokenizer = load_causal_lm(name_or_path, device, precision.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return session_lm(model, int(pad)), tokenizer
+    return session_lm(model, int(pad), precision.fp16_weights), tokenizer
