@@ -38,11 +38,23 @@ sys.path.insert(0, str(REPO / "shared"))
 
 from bench_loopback import metric_sum  # noqa: E402  # this folder: scripts run as files
 
-from asymspec.backends.hardware import colocated_threads, machine_facts  # noqa: E402
+from asymspec.backends.hardware import (  # noqa: E402
+    colocated_threads,
+    machine_facts,
+    resolve_precision,
+)
 from asymspec.modes import get_mode  # noqa: E402
 from asymspec.prompts import chat_prompts, code_as_chat, humaneval_prompts  # noqa: E402
 
 EDGE_PORT, CLOUD_PORT = 18000, 18001
+
+
+def service_precision(role: str) -> str:
+    """The precision a service runs in here: its ASYMSPEC_*_DTYPE (auto unless set), resolved."""
+    name = os.environ.get(f"ASYMSPEC_{role.upper()}_DTYPE", "auto")
+    return f"{name} = {resolve_precision(name, 'cpu')}"
+
+
 SECRET = "make-run-bench-secret"
 
 
@@ -294,7 +306,8 @@ def main() -> int:
             mode: {r: colocated_threads(r, get_mode(mode)) for r in ("cloud", "edge")}
             for mode in args.modes
         },
-        "service_dtype": "auto (bf16 where the CPU has AMX-BF16 or AVX512-BF16)",
+        # What the services' default (auto) resolves to here, unless the environment sets it.
+        "service_dtype": {role: service_precision(role) for role in ("cloud", "edge")},
     }
     config = {k: str(v) for k, v in vars(args).items() if k not in ("out", "append")}
     path.write_text(json.dumps({"machine": facts, "config": config, "rows": rows}, indent=1))

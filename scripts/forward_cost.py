@@ -7,7 +7,8 @@ One batched ``forward_new`` over B sessions (held-out HumanEval prompts as cache
 prefixes, ~50-200 tokens) with n new tokens each: n = 1 is a decode step (logits for 1 row
 per session), n = γ + 1 = 5 the verification of one γ = 4 block (logits for all 5 rows).
 Median of repeats, the cache rolled back after each. Engines: ``CachedLM`` (transformers,
-float32: what main ran before the new engine) and ``LlamaEngine`` in float32 and bfloat16.
+float32: what main ran before the new engine) and ``LlamaEngine`` in float32, bfloat16 and,
+on x86 CPUs with AVX2, float32 with float16 weights (FBGEMM).
 Also the roofline: the same layers' matrix products alone (``matmul_only``), so what an
 engine adds beside them is visible. Writes ``forward_cost.json`` and ``forward_cost.txt``,
 both with the machine's CPU model and flags, torch threads and dtype.
@@ -26,7 +27,7 @@ import torch
 
 from asymspec.backends.embedded import EMBEDDED_TARGET
 from asymspec.backends.engine import CachedLM, SessionLM
-from asymspec.backends.hardware import machine_facts
+from asymspec.backends.hardware import fp16_weights_supported, machine_facts
 from asymspec.backends.llama import LlamaEngine
 from asymspec.backends.loading import load_causal_lm
 from asymspec.prompts import humaneval_prompts
@@ -106,12 +107,22 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    engines: list[tuple[str, torch.dtype, Callable[[torch.nn.Module], SessionLM]]] = [
-        ("CachedLM", torch.float32, CachedLM),
-        ("LlamaEngine", torch.float32, LlamaEngine),
-        ("LlamaEngine", torch.bfloat16, LlamaEngine),
+    # (engine, precision label, model dtype, build)
+    engines: list[tuple[str, str, torch.dtype, Callable[[torch.nn.Module], SessionLM]]] = [
+        ("CachedLM", "float32", torch.float32, CachedLM),
+        ("LlamaEngine", "float32", torch.float32, LlamaEngine),
+        ("LlamaEngine", "bfloat16", torch.bfloat16, LlamaEngine),
     ]
-    for name, dtype, build in engines:
+    if fp16_weights_supported():  # x86 with AVX2: FBGEMM's fp16 weights, fp32 activations
+        engines.append(
+            (
+                "LlamaEngine",
+                "float16-weights",
+                torch.float32,
+                lambda model: LlamaEngine(model, fp16_weights=True),
+            )
+        )
+    for name, label, dtype, build in engines:
         model, tokenizer = load_causal_lm(args.target, "cpu", dtype)
         parameters = sum(p.numel() for p in model.parameters())  # tied weights once
         lm = build(model)
@@ -120,7 +131,7 @@ def main() -> None:
             seconds = forward_s(lm, prompts, sessions, n)
             row: dict[str, object] = {
                 "engine": name,
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": label,
                 "sessions": sessions,
                 "new_tokens": n,
                 "forward_ms": round(1e3 * seconds, 2),
@@ -129,7 +140,7 @@ def main() -> None:
                 row["matmul_only_ms"] = round(1e3 * matmul_only_s(lm, sessions * n), 2)
             results.append(row)
             report(
-                f"{name:11s} {row['dtype']:8s} B={sessions:2d} x n={n}: "
+                f"{name:11s} {label:15s} B={sessions:2d} x n={n}: "
                 f"{row['forward_ms']:7.1f} ms"
                 + (
                     f"  (matmuls alone {row['matmul_only_ms']:6.1f} ms)"
@@ -146,7 +157,8 @@ def main() -> None:
         raise KeyError((engine, dtype, b, n))
 
     bandwidth = read_bandwidth_gb_s()
-    weight_bytes = {"float32": 4 * parameters, "bfloat16": 2 * parameters}
+    labels = [label for name, label, _, _ in engines if name == "LlamaEngine"]
+    weight_bytes = {label: (4 if label == "float32" else 2) * parameters for label in labels}
     report("")
     report(f"read bandwidth at {args.threads} thread(s): {bandwidth:.1f} GB/s")
     for dtype, size in weight_bytes.items():
@@ -156,7 +168,7 @@ def main() -> None:
             f">= {floor_ms:.1f} ms per forward while memory-bound (few rows)"
         )
     report("")
-    for dtype in ("float32", "bfloat16"):
+    for dtype in labels:
         verify_ratio = ms("LlamaEngine", dtype, 16, 5) / ms("LlamaEngine", dtype, 16, 1)
         decode_ratio = ms("LlamaEngine", dtype, 1, 1) / ms("CachedLM", "float32", 1, 1)
         report(

@@ -23,11 +23,12 @@ from asymspec.backends.engine import CachedLM, SessionLM
 from asymspec.backends.hardware import (
     Precision,
     cpu_has_native_bf16,
+    fp16_weights_supported,
     pick_device,
     resolve_dtype,
     resolve_precision,
 )
-from asymspec.backends.llama import LlamaEngine, WeightLayout, fp16_weights_supported
+from asymspec.backends.llama import LlamaEngine, WeightLayout
 from asymspec.backends.loading import load_causal_lm, session_lm
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
 

@@ -20,7 +20,6 @@ from typing import Literal
 
 import torch
 
-from asymspec.backends.llama import fp16_weights_supported
 from asymspec.modes import Mode
 
 DtypeName = Literal["auto", "bfloat16", "float32", "float16-weights"]
@@ -56,6 +55,13 @@ def cpu_model() -> str:
 
 def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & set(BF16_CPU_FLAGS))
+
+
+def fp16_weights_supported() -> bool:
+    """FBGEMM's fp16 kernels exist in this torch build (x86) and the CPU has AVX2."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and (
+        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    )
 
 
 @dataclass(frozen=True)

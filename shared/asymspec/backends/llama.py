@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from asymspec.backends.engine import NewTokens, SessionTable
+from asymspec.backends.hardware import fp16_weights_supported
 
 log = logging.getLogger("asymspec.engine")
 
@@ -79,13 +80,6 @@ class WeightLayout(enum.Enum):
     PLAIN = "plain"  # the model's own tensors, F.linear
     ONEDNN_BF16 = "oneDNN-packed bf16"  # CPUs with AMX / AVX512-BF16
     FBGEMM_FP16 = "FBGEMM-packed float16"  # float32 activations, fp16 weights (AVX2 CPUs)
-
-
-def fp16_weights_supported() -> bool:
-    """FBGEMM's fp16 kernels exist in this torch build (x86) and the CPU has AVX2."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and (
-        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    )
 
 
 class _Linear:
