@@ -29,6 +29,7 @@ import argparse
 import csv
 import functools
 import http.server
+import ipaddress
 import json
 import os
 import platform
@@ -224,19 +225,21 @@ def ensure_base_image(work: Path) -> str:
 
 
 def bridge_gateway() -> str:
-    out = sh(
-        [
-            "docker",
-            "network",
-            "inspect",
-            "bridge",
-            "--format",
-            "{{range .IPAM.Config}}{{.Gateway}}{{end}}",
-        ]
-    ).strip()
-    if not out:
-        raise RuntimeError("the default bridge network has no gateway address")
-    return out
+    """The default bridge's gateway: its IPAM gateway, or else its subnet's first address.
+    (Debian's engine 20.10 leaves the gateway out of the IPAM config when docker0 already
+    had its address; the bridge's gateway is then that first address, docker0's.)"""
+
+    def ipam(name: str) -> str:
+        template = "{{range .IPAM.Config}}{{." + name + "}}{{end}}"
+        return sh(["docker", "network", "inspect", "bridge", "--format", template]).strip()
+
+    gateway = ipam("Gateway")
+    if gateway:
+        return gateway
+    subnet = ipam("Subnet")
+    if not subnet:
+        raise RuntimeError("the default bridge network has neither a gateway nor a subnet")
+    return str(next(ipaddress.ip_network(subnet, strict=False).hosts()))
 
 
 def serve_wheels() -> tuple[str, http.server.ThreadingHTTPServer] | None:
