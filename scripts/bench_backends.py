@@ -37,7 +37,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import SessionLM
-from asymspec.backends.hardware import machine_facts, pick_device, resolve_precision
+from asymspec.backends.hardware import (
+    Precision,
+    machine_facts,
+    pick_device,
+    resolve_precision,
+)
 from asymspec.backends.loading import load_causal_lm, restrict_draft_head, session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.instructions import instructions
@@ -55,6 +60,7 @@ class Pair:
     draft: SessionLM
     target_model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
+    precision: Precision
     load_s: dict[str, float]  # (d)
 
 
@@ -120,10 +126,9 @@ def load_pair(args: argparse.Namespace) -> Pair:
     device = args.device or pick_device()
     start = time.perf_counter()
     precision = resolve_precision(args.dtype, device)
-    dtype = precision.dtype
-    target_model, tokenizer = load_causal_lm(args.target, device, dtype)
+    target_model, tokenizer = load_causal_lm(args.target, device, precision.dtype)
     middle = time.perf_counter()
-    draft_model, _ = load_causal_lm(args.draft, device, dtype)
+    draft_model, _ = load_causal_lm(args.draft, device, precision.dtype)
     end = time.perf_counter()
     if target_model.config.vocab_size != draft_model.config.vocab_size:
         raise SystemExit("the draft and the target must share one vocabulary")
@@ -136,6 +141,7 @@ def load_pair(args: argparse.Namespace) -> Pair:
         draft=draft,
         target_model=target_model,
         tokenizer=tokenizer,
+        precision=precision,
         load_s={"target": middle - start, "draft": end - middle},
     )
 
@@ -420,7 +426,7 @@ def main() -> None:
         "draft": args.draft,
         "device": str(pair.target_model.device),
         "threads": torch.get_num_threads(),
-        "dtype": str(resolve_precision(args.dtype, str(pair.target_model.device))),
+        "dtype": str(pair.precision),
         "engine": type(pair.target).__name__,
         "machine": machine_facts(),
         **run_sections(args, pair, prompts),

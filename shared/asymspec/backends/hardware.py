@@ -5,8 +5,8 @@ bf16 is the default where the hardware runs it natively: every CUDA GPU of the l
 and CPUs with AMX-BF16 or AVX512-BF16, where oneDNN's bf16 kernels cost a fraction of
 fp32 (``scripts/forward_cost.py``). Elsewhere bf16 is emulated and slower than fp32. On
 x86 CPUs without it (AVX2) the default is float32 activations with float16 weights
-(FBGEMM), 2.5x faster than float32 for a decode step and 4x for a 5-row verify on an AVX2
-EPYC; other CPUs get float32. ``float32`` can always be forced (the exact-greedy mode).
+(FBGEMM), 2x faster than float32 for a decode step and 2.9x for a 5-row verify on an
+AVX2 EPYC; other CPUs get float32. ``float32`` can always be forced (the exact-greedy mode).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ CPU everything beside the matrix products is what made a forward slow:
 - **float16 weights** (``fp16_weights``) on x86 CPUs without native bf16 (AVX2): FBGEMM's
   packed fp16 matrices with float32 activations and accumulation. There, bf16 is emulated
   (5x slower than fp32 at 16 rows) and MKL's fp32 products are slow at a few rows; on an
-  AVX2 EPYC one thread ran a one-session decode step in 31 instead of 79 ms and a 5-row
-  verify in 39 instead of 164 ms, with fp16's 11-bit mantissa (bf16 has 8).
+  AVX2 EPYC one thread ran a one-session decode step in 27 instead of 56 ms and a 5-row
+  verify in 37 instead of 106 ms (``loadtest/results/forward_cost-avx2/``), with fp16's
+  11-bit mantissa (bf16 has 8).
 
 The arithmetic is the transformers Llama decoder's (RMSNorm in float32, rotary embedding
 from the model's own ``inv_freq``, SDPA with grouped-query attention), so in float32 the
