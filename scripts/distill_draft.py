@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from draft_greedy_proxy import greedy_blocks  # this folder: scripts run as files
 from transformers import (
     AutoModelForCausalLM,
@@ -157,9 +158,48 @@ def sample_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+def sample_blocked_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The inverse CDF in two levels, one uniform per row: the block whose cumulative mass
+    passes ``u x total`` (a cumsum over V / 256 block sums), then the token inside it (a
+    cumsum over 256), in float64 like the sequential draw. That one's float64 copy and
+    cumsum of all 49,152 tokens per row were ~20 ms of a 184 ms 64-row step (one thread);
+    this draws from the same distribution in ~5 ms."""
+    uniforms = torch.rand(len(probs), generator=generator, dtype=torch.float64)
+    rows, vocab = probs.shape
+    weights = probs if vocab % CDF_BLOCK == 0 else F.pad(probs, (0, -vocab % CDF_BLOCK))
+    blocks = weights.view(rows, -1, CDF_BLOCK)  # [B, nb, S]; float64 only where summed
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, nb]
+    if not bool((block_cdf[:, -1] > 0.0).all()):
+        raise ValueError("cannot sample from a row with no positive mass")
+    goal = uniforms[:, None] * block_cdf[:, -1:]  # [B, 1]
+    block = torch.searchsorted(block_cdf, goal, right=True).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocks[torch.arange(rows), block[:, 0]].double().cumsum(-1) + before  # [B, S]
+    index = torch.searchsorted(inside, goal, right=True)[:, 0]  # [B]
+    token = block[:, 0] * CDF_BLOCK + index
+    # Rounding can put the goal at or past its block's last cumulative value (index == S):
+    # then, as the sequential draw does at the row's end, take the block's last token with
+    # mass (the row's, if the block has none).
+    for row in torch.nonzero(index >= CDF_BLOCK).flatten().tolist():
+        massive = torch.nonzero(blocks[row, int(block[row])] > 0).flatten()
+        token[row] = (
+            int(block[row]) * CDF_BLOCK + int(massive.max())
+            if len(massive)
+            else int(torch.nonzero(probs[row] > 0).max())
+        )
+    return token
+
+
 # How a sampled row draws its token: part of a batch's definition (its folder's name).
-SAMPLERS = {"inverse-cdf": sample_inverse_cdf, "multinomial": sample_multinomial}
-DEFAULT_SAMPLER = "inverse-cdf"
+SAMPLERS = {
+    "blocked-cdf": sample_blocked_cdf,
+    "inverse-cdf": sample_inverse_cdf,
+    "multinomial": sample_multinomial,
+}
+DEFAULT_SAMPLER = "blocked-cdf"
 
 
 @torch.inference_mode()
@@ -313,6 +353,9 @@ def stage_generate(args: argparse.Namespace) -> None:
     random.Random(args.seed).shuffle(mine)
     if args.reverse:  # a helper for a slow shard: it takes that shard's work from the end
         mine.reverse()
+    # Start further along that order: batches an earlier draft was trained on (the first of
+    # each shard's order) are left to it, so that a warm start sees new text.
+    mine = mine[args.skip :]
     folder = generated_dir(jobs, plan, args.seed, args.sampler)
     folder.mkdir(parents=True, exist_ok=True)
     started, made = time.perf_counter(), 0
@@ -724,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="use 1 per shard")
     parser.add_argument("--shard", default="0/1", help="generate: this shard of N, 'k/N'")
     parser.add_argument("--reverse", action="store_true", help="generate: last batch first")
+    parser.add_argument(
+        "--skip", type=int, default=0, help="generate: start at this position of the order"
+    )
     parser.add_argument("--sampler", choices=list(SAMPLERS), default=DEFAULT_SAMPLER)
     parser.add_argument("--humaneval-samples", type=int, default=4, help="T=0.7 per prompt")
     parser.add_argument("--source-greedy", type=int, default=3000, help="source prompts")

@@ -27,6 +27,31 @@ def test_the_inverse_cdf_sampler_is_the_products_draw() -> None:
     assert drawn.tolist() == sample_rows(probs, uniforms.tolist())
 
 
+def test_the_blocked_cdf_lands_where_the_sequential_cdf_does() -> None:
+    """Rows spanning many 256-token blocks, some with no mass: the two-level search picks
+    the token the one-level inverse CDF picks for the same uniform."""
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    logits[:, 256:512] = float("-inf")  # a whole block without mass
+    logits[:, 990:] = float("-inf")  # and a row end without mass
+    probs = torch.softmax(logits, -1)
+    drawn = distill_draft.sample_blocked_cdf(probs, torch.Generator().manual_seed(7))
+    uniforms = torch.rand(64, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    assert drawn.tolist() == sample_rows(probs, uniforms.tolist())
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
+
+
+def test_the_blocked_cdf_takes_the_last_token_with_mass_at_the_very_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A uniform of 1.0 puts the goal at the total, past every block with mass: the draw
+    still lands on a token with mass, the row's last, as the sequential draw does."""
+    probs = torch.zeros(1, 600)  # blocks 0..255, 256..511 and 512..767 (512.. empty)
+    probs[0, [10, 300]] = torch.tensor([0.25, 0.75])
+    monkeypatch.setattr(torch, "rand", lambda *_, **__: torch.ones(1, dtype=torch.float64))
+    drawn = distill_draft.sample_blocked_cdf(probs, torch.Generator())
+    assert drawn.tolist() == [300] == sample_rows(probs, [1.0])
+
+
 @pytest.mark.parametrize("sampler", sorted(distill_draft.SAMPLERS))
 def test_each_sampler_draws_the_rows_distribution(sampler: str) -> None:
     """Seeded: 20,000 draws of a 4-token row land within 4 sigma of p."""
