@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.target import TargetModel
+from asymspec.model_thread import ModelThread
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
 from cloud_verifier.metrics import CloudMetrics, metrics_router
@@ -49,9 +50,12 @@ def load_target(settings: CloudSettings) -> TargetModel:
 
 
 async def _load(state: CloudState) -> None:
+    # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.
+    model_thread = ModelThread("target")
     try:
-        target = await asyncio.to_thread(load_target, state.settings)
+        target = await model_thread.run(load_target, state.settings)
     except Exception as exc:
+        model_thread.shutdown()
         log.exception("loading the target failed")
         state.error = f"{type(exc).__name__}: {exc}"
         return
@@ -64,6 +68,7 @@ async def _load(state: CloudState) -> None:
         s.prefill_chunk_tokens,
         threads=s.forward_threads(),
         prefill_chunk_tokens_shared=s.prefill_chunk_tokens_shared,
+        model_thread=model_thread,
     )
     state.batcher.start()
     state.channel = ChannelServer(s, state.batcher, state.metrics)

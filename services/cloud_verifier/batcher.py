@@ -13,8 +13,8 @@ rows that ride nearly free on a forward whose cost is its weights, not its rows 
 first, so a short prompt is not queued behind a long one.
 
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
-batcher's single worker thread, so the model and its caches have exactly one owner and the
-event loop stays free for the channel.
+batcher's model thread (the one that loaded the target, see `asymspec.model_thread`), so the
+model and its caches have exactly one owner and the event loop stays free for the channel.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ import torch
 from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.hardware import ForwardThreads
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.model_thread import ModelThread
 from asymspec.wire import VerifyResult
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
@@ -77,6 +77,7 @@ class Batcher:
         prefill_chunk_tokens: int = 256,
         threads: ForwardThreads | None = None,
         prefill_chunk_tokens_shared: int | None = None,
+        model_thread: ModelThread | None = None,
     ) -> None:
         self.target = target
         self.threads = threads  # None: the thread count set at start-up, never changed
@@ -91,7 +92,8 @@ class Batcher:
         self._prefilling: list[_Prefill] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        # the thread that loaded the target (None: a new one); the batcher owns it from here
+        self.model_thread = model_thread or ModelThread("target")
         self.actor = Supervised("batcher", self._fail_waiting)
 
     # ------------------------------------------------------------------ public API
@@ -105,7 +107,7 @@ class Batcher:
 
     async def stop(self) -> None:
         await self.actor.stop()
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def _fail_waiting(self, error: ActorDied) -> None:
         """The actor died: every job it holds or has queued fails with the reason."""
@@ -139,7 +141,6 @@ class Batcher:
         return future
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             jobs = await self._collect(wait=not self._prefilling)
             started = time.perf_counter()
@@ -153,7 +154,7 @@ class Batcher:
                 work.append(job)
             chunks = self._next_chunks(beside_work=bool(work))
             self._in_flight = work  # so that a death fails them too
-            outcomes = await loop.run_in_executor(self._worker, self._execute, work, chunks)
+            outcomes = await self.model_thread.run(self._execute, work, chunks)
             for job, (ok, value) in zip(work, outcomes, strict=True):
                 _resolve(job.future, ok, value)
             self._in_flight = []

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from asymspec.backends.draft import DraftModel
 from asymspec.backends.loading import restrict_draft_head
+from asymspec.model_thread import ModelThread
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
@@ -75,17 +76,23 @@ async def _start(state: EdgeState) -> None:
             s.cloud_urls, s.shared_secret, state.metrics, reply_timeout_s=s.cloud_reply_timeout_s
         )
         state.cloud.start()
+    # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.
+    model_thread = ModelThread("draft")
     try:
-        draft, state.tokenizer = await asyncio.to_thread(load_draft, s)
+        draft, state.tokenizer = await model_thread.run(load_draft, s)
     except Exception as exc:
+        model_thread.shutdown()
         log.exception("loading the draft failed")
         state.error = f"{type(exc).__name__}: {exc}"
         return
     if mode.is_target_only:
+        model_thread.shutdown()
         assert state.cloud is not None
         state.engine = TargetOnlyEngine(state.cloud, s.cloud_deadline_s)
         return
-    state.scheduler = DraftScheduler(draft, mode, s.max_draft_batch, state.metrics)
+    state.scheduler = DraftScheduler(
+        draft, mode, s.max_draft_batch, state.metrics, model_thread=model_thread
+    )
     state.scheduler.start()
     if mode.is_draft_only:
         state.engine = DraftOnlyEngine(state.scheduler)

@@ -14,8 +14,9 @@ Scheduling policies (the README's "Modes"):
   prefix while its block is out (the request loop asks; wasted drafts are counted);
 - stop-and-wait: one request at a time, one block at a time (the caller holds `exclusive`).
 
-Every draft-model call (open, propose, rollback, close) runs on the actor's one worker
-thread, so the model and its caches have exactly one owner.
+Every draft-model call (open, propose, rollback, close) runs on the actor's model thread (the
+one that loaded the draft, see `asymspec.model_thread`), so the model and its caches have
+exactly one owner.
 """
 
 from __future__ import annotations
@@ -23,22 +24,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.draft import Draft, DraftModel, DraftRequest
+from asymspec.model_thread import ModelThread
 from asymspec.modes import Mode
 from edge_gateway.metrics import EdgeMetrics
 
 
 class DraftScheduler:
-    def __init__(self, draft: DraftModel, mode: Mode, max_batch: int, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self,
+        draft: DraftModel,
+        mode: Mode,
+        max_batch: int,
+        metrics: EdgeMetrics,
+        model_thread: ModelThread | None = None,
+    ) -> None:
         self.draft, self.mode, self.max_batch = draft, mode, max_batch
         self.metrics = metrics
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        # the thread that loaded the draft (None: a new one); the scheduler owns it from here
+        self.model_thread = model_thread or ModelThread("draft")
         self._ready: list[tuple[DraftRequest, asyncio.Future[Draft]]] = []
         self._wakeup = asyncio.Event()
         self._active = 0  # requests between open() and close(): the sync barrier's size
@@ -51,7 +60,7 @@ class DraftScheduler:
 
     async def stop(self) -> None:
         await self.actor.stop()
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def _fail_waiting(self, error: ActorDied) -> None:
         for _, future in self._ready:
@@ -92,7 +101,7 @@ class DraftScheduler:
         return await future
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        return await self.model_thread.run(fn, *args)
 
     # ------------------------------------------------------------------ the actor
 

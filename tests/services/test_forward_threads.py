@@ -26,7 +26,7 @@ def test_the_batcher_takes_every_core_while_one_session_is_open() -> None:
     )
 
     def worker_threads() -> int:
-        return batcher._worker.submit(torch.get_num_threads).result()
+        return batcher.model_thread.call(torch.get_num_threads)
 
     async def run() -> list[int]:
         batcher.start()
