@@ -123,8 +123,10 @@ class ForwardThreads:
     """The cloud's torch threads per forward on a host it shares with the edge: ``solo``
     while at most one session is open (the edge then waits for that session's verdict and
     leaves its core idle), ``shared`` otherwise (the edge drafts other sessions meanwhile).
-    Measured with ``make run`` on 2 cores: at one chat, 2 threads made asymspec 30.1 ->
-    35.1 tok/s; at 16 chats 2 threads were slower than 1 (130 vs 146 tok/s)."""
+    Measured with ``make run`` on 2 cores, the model loaded on its forward thread
+    (2026-12-03, loadtest/results/model-thread/): at one chat 2 threads made asymspec 39.6
+    tok/s against 31.8 with 1; at 16 chats 2 threads were slower (107.9 vs 143.3 tok/s:
+    the cloud's spinning OpenMP worker takes the core the edge drafts on)."""
 
     shared: int
     solo: int
