@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from forward_cost import forward_s  # the engine benchmark's measurement (scripts/ is on the path)
 
 from asymspec.backends.embedded import EMBEDDED_TARGET
 from asymspec.backends.hardware import machine_facts
@@ -50,19 +51,17 @@ def load(threads: int) -> tuple[LlamaEngine, list[list[int]]]:
 
 
 def forwards_ms(engine: LlamaEngine, prompts: list[list[int]], threads: int) -> dict[str, float]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from forward_cost import forward_s  # the same measurement as the engine's benchmark
-
     torch.set_num_threads(threads)
     return {f"16x{n}": round(1000 * forward_s(engine, prompts, 16, n), 1) for n in (1, 5)}
 
 
 def one_layout(layout: str, threads: int) -> dict[str, float]:
-    loader, runner = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     if layout == "main":
         engine, prompts = load(threads)
         return forwards_ms(engine, prompts, threads)
-    engine, prompts = (loader if layout == "split" else runner).submit(load, threads).result()
+    runner = ThreadPoolExecutor(1)
+    loader = ThreadPoolExecutor(1) if layout == "split" else runner
+    engine, prompts = loader.submit(load, threads).result()
     return runner.submit(forwards_ms, engine, prompts, threads).result()
 
 
