@@ -180,6 +180,10 @@ class _RequestState:
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
+        # How many of the draft cache's tokens the last verdict confirmed (before the first
+        # block, the prompt's all but last, as open() cached them): the next propose rolls
+        # the cache back to it.
+        self.draft_confirmed = len(self.confirmed) - 1
 
     async def open(self) -> None:
         """Open the session from the confirmed prefix on a live replica. A replica lost
@@ -246,8 +250,9 @@ class _RequestState:
         block is dropped."""
         engine = self.engine
         self.seq, self.tail, self.next_draft = 0, [], None
-        # The draft's cache lags the confirmed prefix by >= 1 (the last token is pending).
-        await engine.scheduler.rollback(self.key, len(self.confirmed) - 1)
+        # The draft's cache lags the confirmed prefix by >= 1 (the last token is pending);
+        # the next propose rolls it back there.
+        self.draft_confirmed = len(self.confirmed) - 1
         await self.open()
         engine.metrics.session_reopens.inc()
 
@@ -257,7 +262,9 @@ class _RequestState:
                 return await self._block(gamma)
         return await self._block(gamma)
 
-    async def _draft(self, gamma: int, pending: list[int]) -> Draft:
+    async def _draft(
+        self, gamma: int, pending: list[int], rollback_to: int | None = None
+    ) -> Draft:
         return await self.engine.scheduler.propose(
             DraftRequest(
                 session_id=self.key,
@@ -266,6 +273,7 @@ class _RequestState:
                 params=self.request.params,
                 generator=self.generator,
                 quantize_half=self.engine.mode.uploads_full_rows,
+                rollback_to=rollback_to,
             )
         )
 
@@ -273,9 +281,11 @@ class _RequestState:
         engine, metrics = self.engine, self.engine.metrics
         draft, self.next_draft = self.next_draft, None
         if draft is None:
-            # What the draft's cache has not seen of the confirmed prefix (its owner's count).
-            cached = self.engine.scheduler.cached_length(self.key)
-            draft = await self._draft(gamma, self.confirmed[cached:])
+            # The draft's cache after rolling back to what the last verdict confirmed (its
+            # owner's count, clipped: the last draft token was sampled, never fed), and what
+            # it has not seen of the confirmed prefix.
+            kept = min(self.draft_confirmed, self.engine.scheduler.cached_length(self.key))
+            draft = await self._draft(gamma, self.confirmed[kept:], rollback_to=kept)
         gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
@@ -303,8 +313,9 @@ class _RequestState:
         self.confirmed += [*accepted, new_token]
         if runahead is not None:
             await self._adopt_runahead(await runahead, n == gamma, new_token)
-        if self.next_draft is None:  # keep the accepted part of what the draft fed
-            await engine.scheduler.rollback(self.key, base_len + n)
+        # The accepted part of what the draft fed stays; the next propose drops the rest
+        # (unless an adopted runahead block, drafted from exactly this prefix, goes next).
+        self.draft_confirmed = base_len + n
         engine.metrics.record_block(gamma, n)
         self.request.stats.record_block(gamma, n)
         self._adapt_gamma(gamma, n)

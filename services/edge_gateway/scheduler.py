@@ -14,9 +14,11 @@ Scheduling policies (the README's "Modes"):
   prefix while its block is out (the request loop asks; wasted drafts are counted);
 - stop-and-wait: one request at a time, one block at a time (the caller holds `exclusive`).
 
-Every draft-model call (open, propose, rollback, close) runs on the actor's model thread (the
-one that loaded the draft, see `asymspec.model_thread`), so the model and its caches have
-exactly one owner.
+Every draft-model call (open, propose, close) runs on the actor's model thread (the one that
+loaded the draft, see `asymspec.model_thread`), so the model and its caches have exactly one
+owner. A rollback to the confirmed prefix rides the request's next propose
+(``DraftRequest.rollback_to``): as a call of its own it queued behind other requests'
+drafting once per block.
 """
 
 from __future__ import annotations
@@ -87,9 +89,6 @@ class DraftScheduler:
         """Tokens in the session's draft cache. Read between this session's own draft
         calls (the worker changes it only inside them)."""
         return self.draft.length(session_id)
-
-    async def rollback(self, session_id: str, confirmed_len: int) -> None:
-        await self._call(self.draft.rollback, session_id, confirmed_len)
 
     async def propose(self, request: DraftRequest) -> Draft:
         """Queue a ready request; resolves with its block once the actor drafted it."""

@@ -125,6 +125,36 @@ def test_rollback_then_propose_equals_a_fresh_draft(tiny_draft_model: LlamaForCa
     assert float((again.rows - expected.rows).abs().max()) <= 1e-4
 
 
+def test_a_rollback_riding_the_propose_equals_one_before_it(
+    tiny_draft_model: LlamaForCausalLM,
+) -> None:
+    """``rollback_to`` drops the rejected drafts inside the propose, per request: the same
+    block as a separate rollback call first, for a batch where one request rolls back and
+    one keeps its cache."""
+    prompt = [5, 6, 7, 8]
+    riding, separate = (DraftModel(session_lm(tiny_draft_model)) for _ in range(2))
+    for model in (riding, separate):
+        first = _propose_one(model, prompt, gamma=4, params=GREEDY)
+        model.open("t", [3, 1, 4])
+    committed = prompt + first.tokens[:1].tolist() + [42]  # 1 accepted, then recovered
+    kept = len(prompt) + 1
+
+    def requests(rollback_to: int | None) -> list[DraftRequest]:
+        rolled = DraftRequest(
+            "s", committed[kept:], 3, GREEDY, torch.Generator(), rollback_to=rollback_to
+        )
+        return [rolled, _request("t", [4], 2, GREEDY)]
+
+    separate.rollback("s", kept)
+    expected = separate.propose(requests(None))
+    got = riding.propose(requests(kept))
+    for g, e in zip(got, expected, strict=True):
+        assert g.tokens.tolist() == e.tokens.tolist()
+        assert float((g.rows - e.rows).abs().max()) <= 1e-4
+    assert riding.length("s") == separate.length("s") == len(committed) + 3 - 1
+    assert riding.length("t") == separate.length("t") == 2 + 1 + 1  # prefill, pending, x_1
+
+
 def test_rollback_past_the_cache_keeps_it(draft: DraftModel) -> None:
     """All γ accepted: the confirmed prefix is longer than the cache (x_γ never fed)."""
     _propose_one(draft, [1, 2], gamma=3)

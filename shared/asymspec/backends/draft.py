@@ -49,6 +49,11 @@ class DraftRequest:
     # Full-upload modes send q rows as float16: sample from exactly the rows the cloud will
     # reconstruct (sampling.draft_rows_from_half) so both sides test acceptance on one q.
     quantize_half: bool = False
+    # Roll the cache back to this many tokens before feeding pending_tokens (the last
+    # verdict's confirmed prefix; the drafts it rejected go): the rollback rides this
+    # request's turn on the model thread instead of queueing behind other requests'
+    # drafting as a call of its own. None: the cache is kept as it is.
+    rollback_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,9 @@ class DraftModel:
         for request in batch:
             if request.num_draft_tokens < 1 or not request.pending_tokens:
                 raise ValueError(f"{request.session_id!r}: need γ >= 1 and >= 1 pending token")
+        for request in batch:
+            if request.rollback_to is not None:
+                self.rollback(request.session_id, request.rollback_to)
         tokens: list[list[int]] = [[] for _ in batch]
         rows: list[list[torch.Tensor]] = [[] for _ in batch]
         halves: list[list[np.ndarray]] = [[] for _ in batch]  # float16 rows, full-upload only
