@@ -3,14 +3,17 @@
 Blocks arrive asynchronously from many requests and edges. The batcher takes whatever has
 arrived (waiting at most max_wait after the first item, up to max_batch_size blocks) and
 verifies it with one target forward, independently of how the blocks were grouped on
-arrival (AsymSpec §IV-C2). Target-only decode steps join the same forward, and so do
-prompts: a prompt is prefilled in chunks that share each round's forward with the verify
-and decode work (Sarathi-style chunked prefill), so a long prompt never holds the target
-for seconds while everyone else's blocks wait. A round alone prefills up to
-``prefill_chunk_tokens``; beside other work only ``prefill_chunk_tokens_shared``, a few
-rows that ride nearly free on a forward whose cost is its weights, not its rows (on a CPU a
-256-token chunk costs several decode steps). The prompt with the fewest tokens left goes
-first, so a short prompt is not queued behind a long one.
+arrival (AsymSpec §IV-C2). Target-only generations join the same forward and stay in it
+(continuous batching, as in vLLM's scheduler): a generation is submitted once and decodes
+one token in every round until it stops, so no session misses a round while its last token
+travels through the event loop and back. Prompts join too: a prompt is prefilled in chunks
+that share each round's forward with the verify and decode work (Sarathi-style chunked
+prefill), so a long prompt never holds the target for seconds while everyone else's blocks
+wait. A round alone prefills up to ``prefill_chunk_tokens``; beside other work only
+``prefill_chunk_tokens_shared``, a few rows that ride nearly free on a forward whose cost is
+its weights, not its rows (on a CPU a 256-token chunk costs several decode steps). The
+prompt with the fewest tokens left goes first, so a short prompt is not queued behind a
+long one.
 
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
 batcher's model thread (the one that loaded the target, see `asymspec.model_thread`), so the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,7 +38,7 @@ from asymspec.wire import VerifyResult
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
 
-JobKind = Literal["verify", "decode", "prefill", "close"]
+JobKind = Literal["verify", "generate", "prefill", "close"]
 
 
 @dataclass(slots=True)
@@ -44,7 +47,24 @@ class _Job:
     session: Session
     future: asyncio.Future[Any]
     block: AnyBlock | None = None
+    generation: _Generation | None = None  # a generate job's state
     enqueued_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class _Generation:
+    """A target-only generation held in every round until it ends; owned by the actor
+    loop, which puts each token (then None, or the error that ended it) on ``tokens``."""
+
+    job: _Job
+    remaining: int
+    stop_ids: frozenset[int]
+    tokens: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
+    abandoned: bool = False  # its consumer went away: dropped before the next round
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.tokens.put_nowait(error)
+        _resolve(self.job.future, True, None)
 
 
 @dataclass(slots=True)
@@ -90,6 +110,7 @@ class Batcher:
         )
         self.metrics = metrics
         self._prefilling: list[_Prefill] = []
+        self._generating: list[_Generation] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         # the thread that loaded the target (None: a new one); the batcher owns it from here
@@ -111,10 +132,15 @@ class Batcher:
 
     def _fail_waiting(self, error: ActorDied) -> None:
         """The actor died: every job it holds or has queued fails with the reason."""
-        held = [p.job for p in self._prefilling] + list(self._in_flight)
+        queued = []
         while not self._queue.empty():
-            held.append(self._queue.get_nowait())
-        self._prefilling, self._in_flight = [], []
+            queued.append(self._queue.get_nowait())
+        held = [p.job for p in self._prefilling] + list(self._in_flight) + queued
+        # the generations held in the batch (in flight or not) and those not yet collected
+        generations = self._generating + [j.generation for j in queued if j.generation]
+        self._prefilling, self._in_flight, self._generating = [], [], []
+        for generation in generations:
+            generation.end(error)
         for job in held:
             _resolve(job.future, False, error)
 
@@ -125,9 +151,25 @@ class Batcher:
         result: VerifyResult = await self._submit("verify", session, block)
         return result
 
-    async def decode(self, session: Session) -> int:
-        token: int = await self._submit("decode", session)
-        return token
+    async def generate(
+        self, session: Session, max_tokens: int, stop_ids: Collection[int] = ()
+    ) -> AsyncGenerator[int, None]:
+        """Target-only decoding: the session's next tokens, one per round, until a stop
+        token (included) or ``max_tokens``."""
+        self.actor.check()
+        if max_tokens < 1:
+            return
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        job = _Job("generate", session, future)
+        job.generation = generation = _Generation(job, max_tokens, frozenset(stop_ids))
+        self._queue.put_nowait(job)
+        try:
+            while (item := await generation.tokens.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            generation.abandoned = True
 
     async def close(self, session: Session) -> None:
         await self._submit("close", session)
@@ -142,23 +184,45 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
-            jobs = await self._collect(wait=not self._prefilling)
+            jobs = await self._collect(wait=not (self._prefilling or self._generating))
             started = time.perf_counter()
             work = []
             for job in jobs:
                 if job.kind == "prefill":
                     self._prefilling.append(_Prefill(job))
                     continue
-                if job.kind == "verify":  # decode and close jobs queue too; not counted
+                if job.generation is not None:
+                    self._generating.append(job.generation)
+                    continue
+                if job.kind == "verify":  # close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
+            self._generating = [g for g in self._generating if not g.abandoned]
+            steps = [g.job for g in self._generating]
+            work += steps
             chunks = self._next_chunks(beside_work=bool(work))
             self._in_flight = work  # so that a death fails them too
             outcomes = await self.model_thread.run(self._execute, work, chunks)
             for job, (ok, value) in zip(work, outcomes, strict=True):
-                _resolve(job.future, ok, value)
+                if job.generation is None:
+                    _resolve(job.future, ok, value)
+                else:
+                    self._advance_generation(job.generation, ok, value)
             self._in_flight = []
             self._advance(chunks)
+
+    def _advance_generation(self, generation: _Generation, ok: bool, value: Any) -> None:
+        """Hand a generation its round's token; it ends at a stop token, its last token or
+        an error."""
+        if not ok:
+            generation.end(value)
+        else:
+            generation.tokens.put_nowait(value)
+            generation.remaining -= 1
+            if value in generation.stop_ids or generation.remaining <= 0:
+                generation.end()
+        if generation.job.future.done():
+            self._generating.remove(generation)
 
     async def _collect(self, wait: bool) -> list[_Job]:
         """Block for the first job (unless a prefill is under way, which must go on), then
@@ -264,7 +328,7 @@ class Batcher:
         scores: list[ScoreRequest] = []
         steps: list[StepRequest] = []
         verify_jobs = [job for job in jobs if job.kind == "verify"]
-        decode_jobs = [job for job in jobs if job.kind == "decode"]
+        decode_jobs = [job for job in jobs if job.kind == "generate"]
         for job in verify_jobs:
             assert job.block is not None
             pending = job.session.pending_tokens(self.target.length(job.session.key))

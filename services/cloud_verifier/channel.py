@@ -255,9 +255,13 @@ class ChannelServer:
         """Target-only decoding (SPADE's Target baseline), one token per frame."""
         session = self._session(conn, msg.session_id)
         stop = {int(t) for t in msg.stop_token_ids}
-        for i in range(msg.max_tokens):
-            token = await self.batcher.decode(session)
-            done = token in stop or i + 1 == msg.max_tokens
-            await conn.send(GenerateTokens(msg.session_id, np.array([token], np.uint32), done))
-            if done:
-                return
+        sent = 0
+        # aclosing: a failed send ends the generation now, not when the generator is collected
+        async with contextlib.aclosing(
+            self.batcher.generate(session, msg.max_tokens, stop)
+        ) as tokens:
+            async for token in tokens:
+                sent += 1
+                done = token in stop or sent == msg.max_tokens
+                frame = GenerateTokens(msg.session_id, np.array([token], np.uint32), done)
+                await conn.send(frame)

@@ -58,8 +58,8 @@ def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows() ->
         await batcher.prefill(decoding)
         await batcher.prefill(long)  # alone: 64-token chunks
         opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
-        for _ in range(6):  # beside decode steps: 8-token chunks
-            await batcher.decode(decoding)
+        async for _ in batcher.generate(decoding, 6):  # beside decode steps: 8-token chunks
+            pass
         await opening
         await batcher.stop()
 

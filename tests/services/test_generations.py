@@ -1,0 +1,159 @@
+"""The cloud batcher's target-only generations (continuous batching): a generation stays in
+every round until it stops, so concurrent generations share each forward; its tokens are
+the target's own greedy chain; a stop token, a consumer that leaves or a dead actor ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Collection
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from asymspec.actors import ActorDied
+from asymspec.backends.loading import session_lm
+from asymspec.backends.target import TargetModel
+from cloud_verifier.batcher import Batcher
+from cloud_verifier.metrics import CloudMetrics
+from cloud_verifier.sessions import Session
+from tests.backends.conftest import build_tiny_llama, full_logits
+from tests.services.test_prefill_chunks import RecordingTarget
+from tests.services.tiny_models import greedy_cloud_session
+
+
+def new_batcher(target: TargetModel, max_wait_s: float = 0.0) -> Batcher:
+    return Batcher(target, 8, max_wait_s, CloudMetrics.create(CollectorRegistry()))
+
+
+def session_with_prompt(session_id: int, prompt: list[int]) -> Session:
+    return dataclasses.replace(greedy_cloud_session(session_id), confirmed=list(prompt))
+
+
+async def collect(
+    batcher: Batcher,
+    session: Session,
+    n: int,
+    stop: Collection[int] = (),
+    send_s: float = 0.0,
+) -> list[int]:
+    """The session's tokens; each one's send to the edge takes ``send_s`` (a slow socket)."""
+    tokens = []
+    async for token in batcher.generate(session, n, stop):
+        tokens.append(token)
+        await asyncio.sleep(send_s)
+    return tokens
+
+
+def test_concurrent_generations_share_every_round_and_follow_the_greedy_chain() -> None:
+    target = RecordingTarget()
+    batcher = new_batcher(target, max_wait_s=0.0)  # no waiting: only residency batches them
+    prompts = [[4, 8, 15], [16, 23], [42, 7, 7, 9]]
+    sessions = [session_with_prompt(i + 1, p) for i, p in enumerate(prompts)]
+
+    async def run() -> list[list[int]]:
+        batcher.start()
+        for s in sessions:
+            await batcher.prefill(s)
+        target.rounds.clear()
+        # each consumer's send takes a while, longer than a round: its next token is
+        # decoded while it is still sending, in the same rounds as the others'
+        sends_s = [0.05, 0.01, 0.03]
+        outs = await asyncio.gather(
+            *(collect(batcher, s, 6, send_s=t) for s, t in zip(sessions, sends_s, strict=True))
+        )
+        await batcher.stop()
+        return outs
+
+    outs = asyncio.run(run())
+    model = target.lm.model  # type: ignore[attr-defined]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out) == 6
+        chain = list(prompt)
+        for token in out:  # each token is the argmax after the prompt and the tokens before
+            assert token == int(full_logits(model, chain)[-1].argmax())
+            chain.append(token)
+    rows = [others for _, others in target.rounds]
+    # submitted in one event-loop turn, the three share all six rounds, one row each, however
+    # slowly each consumer takes its tokens
+    assert rows == [3] * 6
+
+
+def test_a_stop_token_ends_its_generation_after_the_token() -> None:
+    prompt = [4, 8, 15]
+    target = RecordingTarget()
+    batcher = new_batcher(target)
+
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        batcher.start()
+        free_s, a, b = (session_with_prompt(i, prompt) for i in (1, 2, 3))
+        for s in (free_s, a, b):
+            await batcher.prefill(s)
+        free = await collect(batcher, free_s, 5)
+        target.rounds.clear()
+        stopped, other = await asyncio.gather(
+            collect(batcher, a, 5, {free[2]}), collect(batcher, b, 5)
+        )
+        await batcher.stop()
+        return free, stopped, other
+
+    free, stopped, other = asyncio.run(run())
+    first = free.index(free[2])  # the stop token's first occurrence ends it, included
+    assert stopped == free[: first + 1]
+    assert other == free  # the other generation goes on, unchanged
+    rows = [others for _, others in target.rounds]
+    assert rows == [2] * (first + 1) + [1] * (5 - first - 1)
+
+
+def test_a_consumer_that_leaves_drops_its_generation_from_the_rounds() -> None:
+    target = RecordingTarget()
+    batcher = new_batcher(target)
+    a, b = session_with_prompt(1, [4, 8, 15]), session_with_prompt(2, [16, 23])
+
+    async def run() -> None:
+        batcher.start()
+        await batcher.prefill(a)
+        await batcher.prefill(b)
+        target.rounds.clear()
+
+        async def leave_after_two() -> None:
+            generation = batcher.generate(a, 100)
+            for _ in range(2):
+                await anext(generation)
+            await generation.aclose()
+
+        await asyncio.gather(leave_after_two(), collect(batcher, b, 12))
+        await batcher.stop()
+
+    asyncio.run(run())
+    rows = [others for _, others in target.rounds]
+    assert len(rows) == 12 and rows[-1] == 1  # a left the batch; b ran its 12 rounds
+    assert sum(r == 2 for r in rows) <= 3  # at most one round past its second token
+
+
+def test_a_dead_batcher_fails_its_generations() -> None:
+    target = TargetModel(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
+    batcher = new_batcher(target)
+    session = session_with_prompt(1, [4, 8, 15])
+    real_collect, calls = batcher._collect, 0
+
+    async def breaks_on_the_third(wait: bool) -> list[object]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # round 1 prefilled, round 2 decoded a token
+            raise RuntimeError("a bug in the loop")
+        return await real_collect(wait)  # type: ignore[return-value]
+
+    batcher._collect = breaks_on_the_third  # type: ignore[method-assign,assignment]
+
+    async def run() -> list[int]:
+        batcher.start()
+        await batcher.prefill(session)
+        got: list[int] = []
+        with pytest.raises(ActorDied):
+            async for token in batcher.generate(session, 10):
+                got.append(token)
+        await batcher.stop()
+        return got
+
+    assert len(asyncio.run(run())) == 1
