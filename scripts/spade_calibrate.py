@@ -32,6 +32,7 @@ from typing import Any
 # the bench package and netem/ live there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asymspec.backends.hardware import machine_facts, resolve_precision
 from asymspec.links import get_profile
 from asymspec.prompts import humaneval_prompts
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed
@@ -78,7 +79,9 @@ class Spade:
             "warmup_concurrency": 1,
             "phases": phases,
         }
-        plan = CellPlan(mode, self.pair, spec, self.logs, name, self.args.cell_timeout_s)
+        plan = CellPlan(
+            mode, self.pair, spec, self.logs, name, self.args.cell_timeout_s, self.args.dtype
+        )
         started = time.monotonic()
         raw = run_cell(bed, plan, lambda event: None)
         print(f"{name}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
@@ -152,6 +155,7 @@ def render(result: dict[str, Any]) -> str:
     )  # fmt: skip
     return (
         f"# SPADE on asymspec ({cfg['models']} models, {cfg['profile']} link)\n\n"
+        f"Machine: {json.dumps(result.get('machine'))}\n\n"
         f"Calibration: mode {cfg['calibration_mode']}, {cfg['calibration_prompts']} validation "
         f"prompts (HumanEval train split), max_tokens {cfg['max_tokens']}, temperature "
         f"{cfg['temperature']}, concurrency {cfg['concurrency']}. **Chosen γ = "
@@ -176,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--concurrency", type=int, default=1, help="1 = one request at a time, as SPADE")
     add("--warmup", type=int, default=1)
     add("--cell-timeout-s", type=float, default=1800.0)
+    add(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="both services' precision; float32 is the exact mode (greedy output = target's)",
+    )
     add("--out", type=Path, default=None, help="run folder; default results/spade-<time>")
     return parser
 
@@ -199,8 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         "out": str(out),
         "calibration_mode": args.modes[0],
     }
+    machine = {
+        **machine_facts(),
+        "service_torch_threads": {"cloud": 1, "edge": 1},  # the cells pin one core each
+        "service_dtype": f"{args.dtype} = {resolve_precision(args.dtype, 'cpu')}",
+    }
     result = {
         "config": config,
+        "machine": machine,
         "testbed_rates": rates,
         "gamma": gamma,
         "calibration": calibration,

@@ -47,25 +47,27 @@ class CellPlan:
     log_dir: Path
     name: str  # file-name stem, e.g. "weak-asymspec"
     timeout_s: float
+    # Both services' ASYMSPEC_*_DTYPE. auto: the benchmark measures the default engine (bf16
+    # where the CPU has it); float32 is the exact mode, where greedy output equals the target's.
+    dtype: str = "auto"
 
 
 def service_envs(
-    bed: Testbed, mode: str, pair: ModelPair, secret: str
+    bed: Testbed, mode: str, pair: ModelPair, secret: str, dtype: str = "auto"
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(cloud env, edge env) for one cell, from the tests' helpers plus the testbed's addresses."""
     cloud_ip = bed.layout.address("cloud")
     common = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cloud = {
         **common,
-        # dtype auto: the benchmark measures the default engine (bf16 where the CPU has it).
         **cloud_env(
-            Path(pair.target), CLOUD_PORT, host="0.0.0.0", shared_secret=secret, dtype="auto"
+            Path(pair.target), CLOUD_PORT, host="0.0.0.0", shared_secret=secret, dtype=dtype
         ),
     }
     extra: dict[str, str] = {
         "cloud_url": f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel",
         "shared_secret": secret,
-        "dtype": "auto",
+        "dtype": dtype,
     }
     if pair.max_model_len is not None:
         extra["max_model_len"] = str(pair.max_model_len)
@@ -102,7 +104,9 @@ def run_cell(
     """Start the services and the driver, wait for the driver's result, stop everything."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     needs_cloud = get_mode(plan.mode).needs_cloud
-    cloud_env_, edge_env_ = service_envs(bed, plan.mode, plan.pair, secrets.token_urlsafe(16))
+    cloud_env_, edge_env_ = service_envs(
+        bed, plan.mode, plan.pair, secrets.token_urlsafe(16), plan.dtype
+    )
     spec = {
         **plan.driver_spec,
         "edge_url": f"http://127.0.0.1:{EDGE_PORT}",

@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from asymspec.sampling import residual
+from asymspec.testbed import Testbed, TestbedLayout
+from loadtest.bench.cell import service_envs
+from loadtest.bench.config import ModelPair
 from scripts.fidelity_experiment import fidelity_at_k
 from scripts.spade_calibrate import choose_gamma, exact_match_rate
 
@@ -53,3 +56,12 @@ def test_fidelity_at_k_matches_a_hand_computed_residual() -> None:
     three = fidelity_at_k(p, q, 3)
     assert three["residual_tv"] == pytest.approx(0.0, abs=1e-7)
     assert three["eps_k"] <= 0.1 / 0.4 + 1e-7  # the certificate bounds the true distance
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_a_cell_runs_both_services_in_its_dtype(dtype: str) -> None:
+    """SPADE's exact-match column needs the exact (float32) mode on both sides."""
+    bed = Testbed(TestbedLayout.new())
+    pair = ModelPair("embedded", "target-folder", "draft-folder")
+    cloud, edge = service_envs(bed, "asymspec", pair, "a-secret-of-some-length", dtype)
+    assert cloud["ASYMSPEC_CLOUD_DTYPE"] == edge["ASYMSPEC_EDGE_DTYPE"] == dtype
