@@ -262,9 +262,7 @@ class _RequestState:
                 return await self._block(gamma)
         return await self._block(gamma)
 
-    async def _draft(
-        self, gamma: int, pending: list[int], rollback_to: int | None = None
-    ) -> Draft:
+    async def _draft(self, gamma: int, pending: list[int], rollback_to: int | None = None) -> Draft:
         return await self.engine.scheduler.propose(
             DraftRequest(
                 session_id=self.key,
