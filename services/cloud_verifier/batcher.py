@@ -64,7 +64,6 @@ class _Generation:
 
     def end(self, error: BaseException | None = None) -> None:
         self.tokens.put_nowait(error)
-        _resolve(self.job.future, True, None)
 
 
 @dataclass(slots=True)
@@ -198,8 +197,7 @@ class Batcher:
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
             self._generating = [g for g in self._generating if not g.abandoned]
-            steps = [g.job for g in self._generating]
-            work += steps
+            work += [g.job for g in self._generating]
             chunks = self._next_chunks(beside_work=bool(work))
             self._in_flight = work  # so that a death fails them too
             outcomes = await self.model_thread.run(self._execute, work, chunks)
@@ -214,15 +212,13 @@ class Batcher:
     def _advance_generation(self, generation: _Generation, ok: bool, value: Any) -> None:
         """Hand a generation its round's token; it ends at a stop token, its last token or
         an error."""
-        if not ok:
-            generation.end(value)
-        else:
+        if ok:
             generation.tokens.put_nowait(value)
             generation.remaining -= 1
-            if value in generation.stop_ids or generation.remaining <= 0:
-                generation.end()
-        if generation.job.future.done():
-            self._generating.remove(generation)
+            if value not in generation.stop_ids and generation.remaining > 0:
+                return
+        generation.end(None if ok else value)
+        self._generating.remove(generation)
 
     async def _collect(self, wait: bool) -> list[_Job]:
         """Block for the first job (unless a prefill is under way, which must go on), then
@@ -328,13 +324,13 @@ class Batcher:
         scores: list[ScoreRequest] = []
         steps: list[StepRequest] = []
         verify_jobs = [job for job in jobs if job.kind == "verify"]
-        decode_jobs = [job for job in jobs if job.kind == "generate"]
+        step_jobs = [job for job in jobs if job.kind == "generate"]  # one decode step each
         for job in verify_jobs:
             assert job.block is not None
             pending = job.session.pending_tokens(self.target.length(job.session.key))
             new_tokens = [*pending, *(int(t) for t in job.block.draft_tokens)]
             scores.append(ScoreRequest(job.session.key, new_tokens, len(job.block.draft_tokens)))
-        for job in decode_jobs:
+        for job in step_jobs:
             s = job.session
             pending = s.pending_tokens(self.target.length(s.key))
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
@@ -351,7 +347,7 @@ class Batcher:
             values[id(job)] = result
         if verify_jobs:
             self.metrics.verified_blocks.inc(len(verify_jobs))
-        for job, token in zip(decode_jobs, tokens, strict=True):
+        for job, token in zip(step_jobs, tokens, strict=True):
             job.session.confirmed.append(token)
             values[id(job)] = token
         return [values[id(job)] for job in jobs]

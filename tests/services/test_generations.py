@@ -18,8 +18,7 @@ from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from tests.backends.conftest import build_tiny_llama, full_logits
-from tests.services.test_prefill_chunks import RecordingTarget
-from tests.services.tiny_models import greedy_cloud_session
+from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
 
 
 def new_batcher(target: TargetModel, max_wait_s: float = 0.0) -> Batcher:

@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
 
-import torch
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
-from tests.backends.conftest import build_tiny_llama
-from tests.services.tiny_models import greedy_cloud_session
-
-
-class RecordingTarget(TargetModel):
-    """The real target, recording each round's prefill chunk sizes and decode rows."""
-
-    def __init__(self) -> None:
-        super().__init__(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
-        self.rounds: list[tuple[dict[str, int], int]] = []
-
-    def round(
-        self,
-        prefills: Sequence[PrefillChunk],
-        scores: Sequence[ScoreRequest],
-        steps: Sequence[StepRequest],
-    ) -> tuple[list[torch.Tensor], list[int]]:
-        chunks = {c.session_id: len(c.token_ids) for c in prefills}  # "owner:session"
-        self.rounds.append((chunks, len(scores) + len(steps)))
-        return super().round(prefills, scores, steps)
+from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
 
 
 def session_with_prompt(session_id: int, length: int) -> Session:

@@ -8,11 +8,15 @@ they load through the same `load_causal_lm` path as any Hugging Face checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from asymspec.backends.loading import session_lm
+from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.correction import Rung
 from asymspec.sampling import SamplingParams
 from asymspec.wire import CorrectionKind, SamplingConfig
@@ -74,3 +78,21 @@ def greedy_cloud_session(session_id: int) -> Session:
         first_rung=Rung(CorrectionKind.TOPK, 4),
         confirmed=[1, 2, 3],
     )
+
+
+class RecordingTarget(TargetModel):
+    """The real target, recording each round's prefill chunk sizes and decode rows."""
+
+    def __init__(self) -> None:
+        super().__init__(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
+        self.rounds: list[tuple[dict[str, int], int]] = []
+
+    def round(
+        self,
+        prefills: Sequence[PrefillChunk],
+        scores: Sequence[ScoreRequest],
+        steps: Sequence[StepRequest],
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        chunks = {c.session_id: len(c.token_ids) for c in prefills}  # "owner:session"
+        self.rounds.append((chunks, len(scores) + len(steps)))
+        return super().round(prefills, scores, steps)
