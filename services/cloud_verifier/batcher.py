@@ -23,10 +23,11 @@ model and its caches have exactly one owner and the event loop stays free for th
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -34,11 +35,16 @@ from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.hardware import ForwardThreads
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.model_thread import ModelThread
-from asymspec.wire import VerifyResult
+from asymspec.wire import ErrorCode, VerifyResult, WireError
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
 
-JobKind = Literal["verify", "generate", "prefill", "close"]
+
+class JobKind(enum.Enum):
+    VERIFY = enum.auto()
+    GENERATE = enum.auto()
+    PREFILL = enum.auto()
+    CLOSE = enum.auto()
 
 
 @dataclass(slots=True)
@@ -49,6 +55,27 @@ class _Job:
     block: AnyBlock | None = None
     generation: _Generation | None = None  # a generate job's state
     enqueued_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def verifies(self) -> bool:
+        return self.kind is JobKind.VERIFY
+
+    @property
+    def generates(self) -> bool:
+        return self.kind is JobKind.GENERATE
+
+    @property
+    def prefills(self) -> bool:
+        return self.kind is JobKind.PREFILL
+
+    @property
+    def closes(self) -> bool:
+        return self.kind is JobKind.CLOSE
+
+    @property
+    def forwards(self) -> bool:
+        """Its work is a row of the round's forward (a close runs after it)."""
+        return self.verifies or self.generates
 
 
 @dataclass(slots=True)
@@ -144,10 +171,10 @@ class Batcher:
             _resolve(job.future, False, error)
 
     async def prefill(self, session: Session) -> None:
-        await self._submit("prefill", session)
+        await self._submit(JobKind.PREFILL, session)
 
     async def verify(self, session: Session, block: AnyBlock) -> VerifyResult:
-        result: VerifyResult = await self._submit("verify", session, block)
+        result: VerifyResult = await self._submit(JobKind.VERIFY, session, block)
         return result
 
     async def generate(
@@ -159,7 +186,7 @@ class Batcher:
         if max_tokens < 1:
             return
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        job = _Job("generate", session, future)
+        job = _Job(JobKind.GENERATE, session, future)
         job.generation = generation = _Generation(job, max_tokens, frozenset(stop_ids))
         self._queue.put_nowait(job)
         try:
@@ -171,7 +198,7 @@ class Batcher:
             generation.abandoned = True
 
     async def close(self, session: Session) -> None:
-        await self._submit("close", session)
+        await self._submit(JobKind.CLOSE, session)
 
     # ------------------------------------------------------------------ the actor
 
@@ -187,13 +214,13 @@ class Batcher:
             started = time.perf_counter()
             work = []
             for job in jobs:
-                if job.kind == "prefill":
+                if job.prefills:
                     self._prefilling.append(_Prefill(job))
                     continue
                 if job.generation is not None:
                     self._generating.append(job.generation)
                     continue
-                if job.kind == "verify":  # close jobs queue too; not counted
+                if job.verifies:  # close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
             self._generating = [g for g in self._generating if not g.abandoned]
@@ -217,7 +244,9 @@ class Batcher:
             generation.remaining -= 1
             if value not in generation.stop_ids and generation.remaining > 0:
                 return
-        generation.end(None if ok else value)
+        # A session closed under it (the edge's request went away) just ends it: nobody is
+        # waiting for an error frame about a session the edge itself closed.
+        generation.end(None if ok or isinstance(value, SessionClosed) else value)
         self._generating.remove(generation)
 
     async def _collect(self, wait: bool) -> list[_Job]:
@@ -278,10 +307,10 @@ class Batcher:
         results: dict[int, tuple[bool, Any]] = {}
         live: list[int] = []
         for i, job in enumerate(jobs):
-            if job.kind == "close":
+            if not job.forwards:
                 continue
             if job.session.closed:
-                results[i] = (False, RuntimeError("session closed"))
+                results[i] = (False, SessionClosed(job.session.session_id))
             else:
                 live.append(i)
         if self.threads is not None:  # set on this (the worker) thread, which runs forwards
@@ -299,7 +328,7 @@ class Batcher:
                     for chunk in chunks:
                         _resolve_threadsafe(chunk.prefill.job.future, exc)
             for i, job in enumerate(jobs):
-                if job.kind == "close":
+                if job.closes:
                     results[i] = _guard(self._close, job)
         return [results[i] for i in range(len(jobs))]
 
@@ -308,7 +337,7 @@ class Batcher:
         for chunk in chunks:
             prefill, session = chunk.prefill, chunk.prefill.job.session
             if session.closed:
-                _resolve_threadsafe(prefill.job.future, RuntimeError("session closed"))
+                _resolve_threadsafe(prefill.job.future, SessionClosed(session.session_id))
                 continue
             if not prefill.started:
                 self.target.start(session.key)
@@ -323,8 +352,8 @@ class Batcher:
         """The round's one target forward; per job its VerifyResult or decoded token."""
         scores: list[ScoreRequest] = []
         steps: list[StepRequest] = []
-        verify_jobs = [job for job in jobs if job.kind == "verify"]
-        step_jobs = [job for job in jobs if job.kind == "generate"]  # one decode step each
+        verify_jobs = [job for job in jobs if job.verifies]
+        step_jobs = [job for job in jobs if job.generates]  # one decode step each
         for job in verify_jobs:
             assert job.block is not None
             pending = job.session.pending_tokens(self.target.length(job.session.key))
@@ -361,6 +390,13 @@ class Batcher:
         self.metrics.target_forward_calls.labels(kind=kind).inc()
         if batch_size:  # sequences verified or decoded; a prefill-only forward has none
             self.metrics.verify_batch_size.observe(batch_size)
+
+
+class SessionClosed(WireError):
+    """Work for a session closed before its round ran."""
+
+    def __init__(self, session_id: int) -> None:
+        super().__init__(ErrorCode.UNKNOWN_SESSION, f"session {session_id} is closed")
 
 
 def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:

@@ -8,13 +8,15 @@ import asyncio
 import dataclasses
 from collections.abc import Collection
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from asymspec.actors import ActorDied
 from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
-from cloud_verifier.batcher import Batcher
+from asymspec.wire import BlockId, ErrorCode, VerifyBlock, WireError
+from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from tests.backends.conftest import build_tiny_llama, full_logits
@@ -156,3 +158,39 @@ def test_a_dead_batcher_fails_its_generations() -> None:
         return got
 
     assert len(asyncio.run(run())) == 1
+
+
+def test_closing_its_session_ends_a_generation_quietly() -> None:
+    """The edge closes a session whose request went away: its generation ends without an
+    error (nobody waits for one), and later work for that session fails as UNKNOWN_SESSION."""
+    target = RecordingTarget()
+    batcher = new_batcher(target)
+    session = session_with_prompt(1, [4, 8, 15])
+
+    async def run() -> tuple[list[int], BaseException | None]:
+        batcher.start()
+        await batcher.prefill(session)
+        got: list[int] = []
+        async for token in batcher.generate(session, 100):
+            got.append(token)
+            if len(got) == 2:
+                await batcher.close(session)
+        error = None
+        block = VerifyBlock(
+            BlockId(1, 1, len(session.confirmed), session.digest),
+            np.asarray([5], dtype=np.uint32),
+            np.ones(1, dtype=np.float32),
+            np.zeros(0, dtype=np.uint32),
+        )
+        try:
+            await batcher.verify(session, block)
+        except WireError as exc:
+            error = exc
+        await batcher.stop()
+        return got, error
+
+    got, error = asyncio.run(run())
+    # it ended (of 100) without raising; the round under way when the close was queued and
+    # the round that runs the close (after its forward) may still decode a token each
+    assert 2 <= len(got) <= 4
+    assert isinstance(error, SessionClosed) and error.code is ErrorCode.UNKNOWN_SESSION
