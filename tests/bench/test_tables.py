@@ -91,11 +91,19 @@ def test_tables_show_ratios_to_asymspec_and_to_the_best_baseline() -> None:
 def test_bars_report_each_measurement() -> None:
     verdicts = {b["bar"]: b for b in bars(ROWS, RATES)}
     weak = verdicts["asymspec / best baseline throughput, weak"]
-    assert weak["value"] == pytest.approx(4.0) and weak["met"] is True
+    assert weak["value"] == pytest.approx(4.0) and weak["met"] is False  # the bar is 5x
     strong = verdicts["asymspec / best baseline throughput, strong"]
-    assert strong["value"] == pytest.approx(1.32) and strong["met"] is True
+    assert strong["value"] == pytest.approx(1.32) and strong["met"] is False  # 1.5x
     change = verdicts["asymspec throughput change strong -> weak"]
-    assert change["value"] == pytest.approx(60 / 66 - 1) and change["met"] is True
+    assert change["value"] == pytest.approx(60 / 66 - 1) and change["met"] is False  # 5 %
+    versus = verdicts["asymspec / target-only throughput (worst profile)"]
+    assert versus["value"] == pytest.approx(3.0) and versus["met"] is True  # weak only
+    slower = [*ROWS, row("target-only", "strong", 70.0)]
+    worst = {b["bar"]: b for b in bars(slower, RATES)}
+    assert worst["asymspec / target-only throughput (worst profile)"]["met"] is False
+    assert worst["asymspec / target-only throughput (worst profile)"]["value"] == (
+        pytest.approx(66 / 70)
+    )
     assert verdicts["asymspec uplink bytes per token (worst profile)"]["met"] is False
     saved = verdicts["asymspec batched target forwards saved vs target-only (worst profile)"]
     assert saved["value"] == pytest.approx(0.7) and saved["met"] is True
