@@ -65,9 +65,8 @@ async def _load(state: CloudState) -> None:
         s.max_batch_size,
         s.max_wait_ms / 1000,
         state.metrics,
-        s.prefill_chunk_tokens,
+        s.prefill_budget(),
         threads=s.forward_threads(),
-        prefill_chunk_tokens_shared=s.prefill_chunk_tokens_shared,
         model_thread=model_thread,
     )
     state.batcher.start()

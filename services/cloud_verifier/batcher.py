@@ -9,11 +9,11 @@ one token in every round until it stops, so no session misses a round while its 
 travels through the event loop and back. Prompts join too: a prompt is prefilled in chunks
 that share each round's forward with the verify and decode work (Sarathi-style chunked
 prefill), so a long prompt never holds the target for seconds while everyone else's blocks
-wait. A round alone prefills up to ``prefill_chunk_tokens``; beside other work only
-``prefill_chunk_tokens_shared``, a few rows that ride nearly free on a forward whose cost is
-its weights, not its rows (on a CPU a 256-token chunk costs several decode steps). The
-prompt with the fewest tokens left goes first, so a short prompt is not queued behind a
-long one.
+wait. The chunks are sized by time (`PrefillBudget` over the measured `ForwardCost`): a
+round alone prefills what fits in a round's time, a round beside other work only the rows
+that slow that work by a set fraction; on a GPU or an AMX CPU that is tens of rows riding
+nearly free on a forward whose cost is its weights, on an AVX2 CPU a handful. The prompt
+with the fewest tokens left goes first, so a short prompt is not queued behind a long one.
 
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
 batcher's model thread (the one that loaded the target, see `asymspec.model_thread`), so the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import time
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from asymspec.backends.hardware import ForwardThreads
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.model_thread import ModelThread
 from asymspec.wire import ErrorCode, VerifyResult, WireError
+from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
 
@@ -76,6 +78,15 @@ class _Job:
     def forwards(self) -> bool:
         """Its work is a row of the round's forward (a close runs after it)."""
         return self.verifies or self.generates
+
+    @property
+    def rows(self) -> int:
+        """The rows it puts in the round's forward, as planned (a verify: its drafts and
+        the tail before them; a decode step: one; a pending recovered token adds one more,
+        too rare to plan for)."""
+        if self.block is not None:
+            return len(self.block.draft_tokens) + 1
+        return 1 if self.generates else 0
 
 
 @dataclass(slots=True)
@@ -120,21 +131,19 @@ class Batcher:
         max_batch_size: int,
         max_wait_s: float,
         metrics: CloudMetrics,
-        prefill_chunk_tokens: int = 256,
+        prefill: PrefillBudget | None = None,
         threads: ForwardThreads | None = None,
-        prefill_chunk_tokens_shared: int | None = None,
         model_thread: ModelThread | None = None,
     ) -> None:
         self.target = target
         self.threads = threads  # None: the thread count set at start-up, never changed
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        # never more than a round alone; None: as much
-        self.prefill_chunk_tokens_shared = min(
-            prefill_chunk_tokens_shared or prefill_chunk_tokens, prefill_chunk_tokens
-        )
+        self.prefill_budget = prefill or PrefillBudget()
+        self.cost = ForwardCost()  # what this target's forwards cost here, as measured
         self.metrics = metrics
+        metrics.forward_base_seconds.set_function(lambda: self._fitted_cost()[0])
+        metrics.forward_row_seconds.set_function(lambda: self._fitted_cost()[1])
         self._prefilling: list[_Prefill] = []
         self._generating: list[_Generation] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
@@ -155,6 +164,10 @@ class Batcher:
     async def stop(self) -> None:
         await self.actor.stop()
         self.model_thread.shutdown()
+
+    def _fitted_cost(self) -> tuple[float, float]:
+        """(base_s, per_row_s) for the gauges, NaN before any forward."""
+        return self.cost.fit() or (math.nan, math.nan)
 
     def _fail_waiting(self, error: ActorDied) -> None:
         """The actor died: every job it holds or has queued fails with the reason."""
@@ -225,7 +238,7 @@ class Batcher:
                 work.append(job)
             self._generating = [g for g in self._generating if not g.abandoned]
             work += [g.job for g in self._generating]
-            chunks = self._next_chunks(beside_work=bool(work))
+            chunks = self._next_chunks(work_rows=sum(job.rows for job in work))
             self._in_flight = work  # so that a death fails them too
             outcomes = await self.model_thread.run(self._execute, work, chunks)
             for job, (ok, value) in zip(work, outcomes, strict=True):
@@ -269,19 +282,18 @@ class Batcher:
                 break
         return jobs
 
-    def _next_chunks(self, beside_work: bool) -> list[_Chunk]:
-        """This round's prefill chunks, within the round's token budget: the prompts with the
+    def _next_chunks(self, work_rows: int) -> list[_Chunk]:
+        """This round's prefill chunks, as the budget plans them: the prompts with the
         fewest tokens left first (shortest remaining first: a short prompt's whole prefill
         costs the long one a round's few rows), the oldest among equals."""
-        budget = self.prefill_chunk_tokens_shared if beside_work else self.prefill_chunk_tokens
-        chunks = []
-        for prefill in sorted(self._prefilling, key=lambda p: p.total - p.done):  # stable
-            if budget <= 0:
-                break
-            take = min(budget, prefill.total - prefill.done)
-            chunks.append(_Chunk(prefill, prefill.done, prefill.done + take))
-            budget -= take
-        return chunks
+        order = sorted(self._prefilling, key=lambda p: p.total - p.done)  # stable
+        rests = [prefill.total - prefill.done for prefill in order]
+        taken = self.prefill_budget.plan(rests, self.cost, work_rows)
+        return [  # (a prompt with nothing left to prefill gets its empty chunk: it resolves)
+            _Chunk(prefill, prefill.done, prefill.done + take)
+            for prefill, rest, take in zip(order, rests, taken, strict=True)
+            if take > 0 or rest == 0
+        ]
 
     def _advance(self, chunks: list[_Chunk]) -> None:
         """Record the chunks run; a prompt fully in the cache (or failed) resolves its job."""
@@ -365,6 +377,9 @@ class Batcher:
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
         started = time.perf_counter()
         logits, tokens = self.target.round(prefills, scores, steps)
+        fed = sum(len(c.token_ids) for c in prefills) + sum(len(r.new_tokens) for r in scores)
+        fed += sum(len(r.pending_tokens) for r in steps)
+        self.cost.observe(fed, time.perf_counter() - started)
         kind = "verify" if scores else "decode" if steps else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         values: dict[int, Any] = {}

@@ -54,6 +54,8 @@ class CloudMetrics:
     | channel_auth_failures | asymspec_channel_auth_failures_total | handshakes refused |
     | sessions | asymspec_cloud_sessions | open sessions (requests) |
     | connected_edges | asymspec_cloud_connected_edges | open channels |
+    | forward_base_seconds | asymspec_target_forward_base_seconds | s, fitted fixed cost |
+    | forward_row_seconds | asymspec_target_forward_row_seconds | s, fitted cost per row |
     """
 
     registry: CollectorRegistry
@@ -68,6 +70,8 @@ class CloudMetrics:
     channel_auth_failures: Counter
     sessions: Gauge
     connected_edges: Gauge
+    forward_base_seconds: Gauge
+    forward_row_seconds: Gauge
 
     @classmethod
     def create(
@@ -119,6 +123,14 @@ class CloudMetrics:
             sessions=f.gauge("asymspec_cloud_sessions", "Open verification sessions."),
             connected_edges=f.gauge(
                 "asymspec_cloud_connected_edges", "Edges with an open channel."
+            ),
+            forward_base_seconds=f.gauge(
+                "asymspec_target_forward_base_seconds",
+                "Fitted fixed cost of a target forward (what the prefill budget uses).",
+            ),
+            forward_row_seconds=f.gauge(
+                "asymspec_target_forward_row_seconds",
+                "Fitted cost of each row a target forward scores (what the prefill budget uses).",
             ),
         )
         metrics.target_forward_calls.preset("kind", TARGET_CALL_KINDS)

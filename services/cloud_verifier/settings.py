@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from asymspec.backends.embedded import EMBEDDED_TARGET
 from asymspec.backends.hardware import ForwardThreads, Role, colocated_threads
 from asymspec.runtime_settings import RuntimeSettings
+from cloud_verifier.forward_cost import PrefillBudget
 
 
 class CloudSettings(RuntimeSettings):
@@ -35,7 +36,27 @@ class CloudSettings(RuntimeSettings):
         32,
         ge=1,
         description="Most prompt tokens prefilled in a forward that also verifies or decodes "
-        "for other sessions: few enough that their step barely slows.",
+        "for other sessions.",
+    )
+    prefill_whole_tokens: int = Field(
+        256,
+        ge=0,
+        description="A prompt of at most this many tokens is prefilled whole in one forward "
+        "(within prefill_chunk_tokens), beside others' work too: its first token comes "
+        "one forward after it arrives. Longer prompts go in chunks.",
+    )
+    prefill_round_ms: float = Field(
+        200.0,
+        gt=0,
+        description="A forward that only prefills takes fewer tokens than the chunk where it "
+        "would run longer than this (by the forward cost measured as the target runs): "
+        "a request arriving meanwhile waits about this long at most.",
+    )
+    prefill_share: float = Field(
+        0.3,
+        gt=0,
+        description="Beside other sessions' work, prefill tokens may add at most this "
+        "fraction to that forward's measured cost (their steps slow by at most as much).",
     )
     max_wait_ms: float = Field(
         1.0, ge=0, description="How long the batcher waits for more blocks after the first one."
@@ -50,6 +71,15 @@ class CloudSettings(RuntimeSettings):
         10.0, gt=0, description="How long a new channel connection may take to send its Hello."
     )
     max_context_tokens: int = Field(8192, ge=16, description="Longest prompt + generation.")
+
+    def prefill_budget(self) -> PrefillBudget:
+        return PrefillBudget(
+            chunk_tokens=self.prefill_chunk_tokens,
+            chunk_tokens_shared=self.prefill_chunk_tokens_shared,
+            round_s=self.prefill_round_ms / 1000,
+            share=self.prefill_share,
+            whole_tokens=self.prefill_whole_tokens,
+        )
 
     def forward_threads(self) -> ForwardThreads | None:
         """Colocated with automatic threads: every core while one session is open, the

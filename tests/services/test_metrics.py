@@ -64,6 +64,8 @@ CLOUD_NAMES = {
     "asymspec_channel_auth_failures",
     "asymspec_cloud_sessions",
     "asymspec_cloud_connected_edges",
+    "asymspec_target_forward_base_seconds",
+    "asymspec_target_forward_row_seconds",
 }
 
 

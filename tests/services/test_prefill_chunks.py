@@ -1,15 +1,22 @@
 """The cloud's chunked prefill: a round alone prefills a full chunk, a round beside other
-sessions' work only a few rows, and the prompt with the fewest tokens left goes first."""
+sessions' work only a few rows, and the prompt with the fewest tokens left goes first; with
+time limits, the chunks follow what the target's forwards are measured to cost."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import time
+from collections.abc import Sequence
 
+import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.target import TargetModel
+from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from cloud_verifier.batcher import Batcher
+from cloud_verifier.forward_cost import PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
@@ -22,7 +29,7 @@ def session_with_prompt(session_id: int, length: int) -> Session:
 
 def new_batcher(target: TargetModel) -> Batcher:
     metrics = CloudMetrics.create(CollectorRegistry())
-    return Batcher(target, 8, 0.0, metrics, prefill_chunk_tokens=64, prefill_chunk_tokens_shared=8)
+    return Batcher(target, 8, 0.0, metrics, PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8))
 
 
 def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows() -> None:
@@ -72,3 +79,63 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first() -> None
     short_rounds = [i for i, (chunks, _) in enumerate(target.rounds) if "1:2" in chunks]
     assert len(short_rounds) == 1  # its 20 tokens in one round
     assert target.rounds[short_rounds[0]][0]["1:2"] == 20
+
+
+class PerRowCostTarget(RecordingTarget):
+    """The real tiny target, each forward held to what a compute-bound CPU's costs: a fixed
+    part plus a part per row (the tiny model itself costs about the same at any rows)."""
+
+    BASE_S, PER_ROW_S = 0.010, 0.003
+
+    def round(
+        self,
+        prefills: Sequence[PrefillChunk],
+        scores: Sequence[ScoreRequest],
+        steps: Sequence[StepRequest],
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        rows = sum(len(c.token_ids) for c in prefills) + sum(len(r.new_tokens) for r in scores)
+        rows += sum(len(r.pending_tokens) for r in steps)
+        started = time.perf_counter()
+        out = super().round(prefills, scores, steps)
+        time.sleep(max(0.0, self.BASE_S + self.PER_ROW_S * rows - time.perf_counter() + started))
+        return out
+
+
+def test_chunks_follow_the_measured_forward_cost() -> None:
+    """Alone, a round takes what fits in 100 ms (30 rows at 10 ms + 3 ms a row), not the
+    128-row cap; beside a one-row decode step, what adds at most its own 13 ms (4 rows),
+    not the 64-row cap."""
+    target = PerRowCostTarget()
+    budget = PrefillBudget(chunk_tokens=128, chunk_tokens_shared=64, round_s=0.100, share=1.0)
+    metrics = CloudMetrics.create(CollectorRegistry())
+    batcher = Batcher(target, 8, 0.0, metrics, budget)
+    decoding = session_with_prompt(1, 4)
+    long = session_with_prompt(2, 301)
+    row_gauge = "asymspec_target_forward_row_seconds"
+    before = metrics.registry.get_sample_value(row_gauge, {"model_name": ""})
+    assert before is not None and math.isnan(before)  # no forward yet
+
+    async def run() -> None:
+        batcher.start()
+        await batcher.prefill(decoding)
+        await batcher.prefill(long)
+        opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
+        async for _ in batcher.generate(decoding, 12):
+            pass
+        await opening
+        await batcher.stop()
+
+    asyncio.run(run())
+    alone = [chunks["1:2"] for chunks, _ in target.rounds if "1:2" in chunks]
+    assert sum(alone) == 300
+    # the first from the decoding prompt's 3-row prefill alone (a line through the origin,
+    # so fewer rows than the truth); from then on the fitted line's
+    assert alone[0] < 30 and all(24 <= rows <= 36 for rows in alone[1:-1]), alone
+    beside = [chunks["1:3"] for chunks, others in target.rounds if "1:3" in chunks and others]
+    assert len(beside) >= 8
+    assert all(2 <= rows <= 7 for rows in beside[2:]), beside
+    assert sum(chunks.get("1:3", 0) for chunks, _ in target.rounds) == 300
+    # the fit the chunks followed is on /metrics
+    assert metrics.registry.get_sample_value(row_gauge, {"model_name": ""}) == pytest.approx(
+        target.PER_ROW_S, rel=0.2
+    )

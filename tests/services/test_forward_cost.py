@@ -1,0 +1,119 @@
+"""The cloud's measured forward cost and the prefill budget sized by it: exact hand cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
+
+
+def cost_of(*points: tuple[int, float], half_life: float = 64.0) -> ForwardCost:
+    cost = ForwardCost(half_life_forwards=half_life)
+    for rows, seconds in points:
+        cost.observe(rows, seconds)
+    return cost
+
+
+def test_nothing_measured_has_no_fit() -> None:
+    assert ForwardCost().fit() is None
+    assert cost_of((0, 0.01)).fit() is None  # a forward without rows says nothing per row
+
+
+def test_two_row_counts_give_the_line_through_them() -> None:
+    fitted = cost_of((10, 0.030), (20, 0.050), (10, 0.030), (20, 0.050)).fit()
+    assert fitted is not None
+    assert fitted == pytest.approx((0.010, 0.002))
+
+
+def test_equal_row_counts_give_the_line_through_the_origin() -> None:
+    """Base and slope cannot be told apart: the slope is overstated, never understated."""
+    fitted = cost_of((64, 0.128), (64, 0.128)).fit()
+    assert fitted == pytest.approx((0.0, 0.002))
+
+
+def test_a_negative_intercept_is_clipped_to_zero() -> None:
+    fitted = cost_of((10, 0.005), (20, 0.030)).fit()
+    assert fitted is not None
+    assert fitted[0] == 0.0 and fitted[1] == pytest.approx(0.0025)
+
+
+def test_the_fit_follows_the_machine_within_a_few_half_lives() -> None:
+    """Old forwards fade: after a change of thread count the new costs take over."""
+    cost = cost_of(*[(10, 0.030), (20, 0.050)] * 50, half_life=4.0)
+    for _ in range(40):
+        cost.observe(10, 0.015)
+        cost.observe(20, 0.025)
+    fitted = cost.fit()
+    assert fitted is not None
+    assert fitted == pytest.approx((0.005, 0.001), rel=0.01)
+
+
+def test_budget_alone_is_what_fits_in_the_round() -> None:
+    budget = PrefillBudget(chunk_tokens=256, round_s=0.100, share=0.5)
+    cost = cost_of((10, 0.030), (20, 0.050))  # base 10 ms, 2 ms a row
+    assert budget.rows(cost, work_rows=0) == 45  # (100 - 10) / 2
+
+
+def test_budget_beside_work_slows_it_by_the_share() -> None:
+    budget = PrefillBudget(chunk_tokens=256, chunk_tokens_shared=32, round_s=0.1, share=0.5)
+    cost = cost_of((10, 0.030), (20, 0.050))
+    assert budget.rows(cost, work_rows=5) == 5  # half of 10 + 5 x 2 ms, at 2 ms a row
+    assert budget.rows(cost, work_rows=80) == 32  # 85 would fit: the cap binds
+
+
+def test_budget_always_moves_a_prompt() -> None:
+    budget = PrefillBudget(round_s=0.001, share=0.01)
+    cost = cost_of((10, 0.030), (20, 0.050))
+    assert budget.rows(cost, work_rows=0) == 1  # the base alone is over the round's time
+    assert budget.rows(cost, work_rows=1) == 1
+
+
+def test_caps_alone_while_the_cost_is_unknown_or_rows_are_free() -> None:
+    budget = PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8, round_s=0.01, share=0.1)
+    assert budget.rows(ForwardCost(), work_rows=0) == 64
+    assert budget.rows(ForwardCost(), work_rows=3) == 8
+    free = cost_of((10, 0.050), (20, 0.040))  # more rows took less time: noise, rows free
+    assert budget.rows(free, work_rows=0) == 64
+    assert budget.rows(free, work_rows=3) == 8
+
+
+def test_without_time_limits_only_the_caps_apply() -> None:
+    budget = PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8)
+    assert budget.round_s == budget.share == math.inf
+    cost = cost_of((10, 0.030), (20, 0.050))
+    assert budget.rows(cost, work_rows=0) == 64
+    assert budget.rows(cost, work_rows=3) == 8
+
+
+def test_the_shared_cap_never_exceeds_a_round_alone() -> None:
+    assert PrefillBudget(chunk_tokens=16, chunk_tokens_shared=32).rows(ForwardCost(), 4) == 16
+
+
+def test_plan_takes_short_prompts_whole_and_chunks_the_long_one() -> None:
+    """Beside 5 rows of work the time share allows 5 rows (base 10 ms, 2 ms a row, share
+    0.5): the two short prompts go whole anyway, the long one waits for a round they leave
+    room in."""
+    budget = PrefillBudget(chunk_tokens=256, round_s=0.1, share=0.5, whole_tokens=100)
+    cost = cost_of((10, 0.030), (20, 0.050))
+    assert budget.plan([40, 90, 1500], cost, work_rows=5) == [40, 90, 0]
+    assert budget.plan([3, 1500], cost, work_rows=5) == [3, 2]  # 5 rows in all
+    assert budget.plan([1500], cost, work_rows=5) == [5]
+    assert budget.plan([1500], cost, work_rows=0) == [45]  # alone: what fits in 100 ms
+
+
+def test_plan_keeps_whole_prompts_within_a_round_alone() -> None:
+    """More short prompts than a round holds: those that fit go whole, the next is chunked
+    by the time share, the rest wait."""
+    budget = PrefillBudget(chunk_tokens=256, round_s=0.1, share=0.5, whole_tokens=100)
+    cost = cost_of((10, 0.030), (20, 0.050))
+    assert budget.plan([100, 100, 100, 100], cost, work_rows=5) == [100, 100, 0, 0]
+    assert budget.plan([100, 100], cost, work_rows=0) == [100, 100]
+
+
+def test_plan_without_whole_prompts_shares_the_chunk() -> None:
+    budget = PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8)
+    assert budget.plan([20, 300], ForwardCost(), work_rows=0) == [20, 44]
+    assert budget.plan([20, 300], ForwardCost(), work_rows=2) == [8, 0]
+    assert budget.plan([0, 300], ForwardCost(), work_rows=2) == [0, 8]
