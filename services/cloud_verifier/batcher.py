@@ -12,8 +12,11 @@ prefill), so a long prompt never holds the target for seconds while everyone els
 wait. The chunks are sized by time (`PrefillBudget` over the measured `ForwardCost`): a
 round alone prefills what fits in a round's time, a round beside other work only the rows
 that slow that work by a set fraction; on a GPU or an AMX CPU that is tens of rows riding
-nearly free on a forward whose cost is its weights, on an AVX2 CPU a handful. The prompt
-with the fewest tokens left goes first, so a short prompt is not queued behind a long one.
+nearly free on a forward whose cost is its weights, on an AVX2 CPU a handful. A session
+between two blocks (its verdict went back, its edge is drafting the next) counts as work
+for a second: its block is due, and must not arrive to find a full round alone under way.
+The prompt with the fewest tokens left goes first, so a short prompt is not queued behind
+a long one.
 
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
 batcher's model thread (the one that loaded the target, see `asymspec.model_thread`), so the
@@ -40,6 +43,10 @@ from asymspec.wire import ErrorCode, VerifyResult, WireError
 from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
+
+# How long after its verdict a session's next block counts as due: an edge's draft, its
+# queue and the round trip take tens to a few hundred milliseconds.
+NEXT_BLOCK_WITHIN_S = 1.0
 
 
 class JobKind(enum.Enum):
@@ -147,6 +154,10 @@ class Batcher:
         self._prefilling: list[_Prefill] = []
         self._generating: list[_Generation] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
+        # Sessions whose verdict went back and whose next block has not come yet: their
+        # rows and when the verdict left. Their block is due any moment, so a round with
+        # nothing else to do prefills only what delays it by the share, not a full round.
+        self._between_blocks: dict[str, tuple[int, float]] = {}
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         # the thread that loaded the target (None: a new one); the batcher owns it from here
         self.model_thread = model_thread or ModelThread("target")
@@ -235,15 +246,19 @@ class Batcher:
                     continue
                 if job.verifies:  # close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
+                self._between_blocks.pop(job.session.key, None)  # here, or closing
                 work.append(job)
             self._generating = [g for g in self._generating if not g.abandoned]
             work += [g.job for g in self._generating]
-            chunks = self._next_chunks(work_rows=sum(job.rows for job in work))
+            chunks = self._next_chunks(sum(job.rows for job in work) or self._due_rows(started))
             self._in_flight = work  # so that a death fails them too
             outcomes = await self.model_thread.run(self._execute, work, chunks)
+            handed_back_s = time.perf_counter()
             for job, (ok, value) in zip(work, outcomes, strict=True):
                 if job.generation is None:
                     _resolve(job.future, ok, value)
+                    if ok and job.verifies:
+                        self._between_blocks[job.session.key] = (job.rows, handed_back_s)
                 else:
                     self._advance_generation(job.generation, ok, value)
             self._in_flight = []
@@ -281,6 +296,17 @@ class Batcher:
             except TimeoutError:
                 break
         return jobs
+
+    def _due_rows(self, now_s: float) -> int:
+        """The rows of the blocks due any moment: sessions whose verdict left within
+        `NEXT_BLOCK_WITHIN_S` (older ones are idle, or their edge is slow: forgotten)."""
+        due = 0
+        for key, (rows, handed_back_s) in list(self._between_blocks.items()):
+            if now_s - handed_back_s > NEXT_BLOCK_WITHIN_S:
+                del self._between_blocks[key]
+            else:
+                due += rows
+        return due
 
     def _next_chunks(self, work_rows: int) -> list[_Chunk]:
         """This round's prefill chunks, as the budget plans them: the prompts with the

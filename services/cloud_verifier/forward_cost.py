@@ -86,7 +86,9 @@ class PrefillBudget:
 
     def plan(self, rests: Sequence[int], cost: ForwardCost, work_rows: int) -> list[int]:
         """This round's rows for each prompt, given the tokens each has left in the order
-        they are served (the batcher's: fewest left first)."""
+        they are served (the batcher's: fewest left first). ``work_rows``: the verify and
+        decode rows in the round or, where it has none, those due any moment (sessions
+        between two blocks), which its prefill must delay by no more than the share."""
         chunk_rows = self.rows(cost, work_rows)
         used, taken = 0, []
         for rest in rests:

@@ -10,11 +10,13 @@ import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.wire import BlockId, VerifyBlock
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.forward_cost import PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
@@ -139,3 +141,42 @@ def test_chunks_follow_the_measured_forward_cost() -> None:
     assert metrics.registry.get_sample_value(row_gauge, {"model_name": ""}) == pytest.approx(
         target.PER_ROW_S, rel=0.2
     )
+
+
+def test_a_session_between_blocks_keeps_the_long_prompt_in_small_chunks() -> None:
+    """A session whose next block is due (its edge drafts it for 30 ms after each verdict)
+    counts as work: the rounds that prefill meanwhile take what delays its 2-row block by
+    the share (16 ms: 5 rows), not a full 100 ms round alone (30 rows)."""
+    target = PerRowCostTarget()
+    budget = PrefillBudget(chunk_tokens=128, chunk_tokens_shared=64, round_s=0.100, share=1.0)
+    batcher = Batcher(target, 8, 0.0, CloudMetrics.create(CollectorRegistry()), budget)
+    verifying, long = session_with_prompt(1, 4), session_with_prompt(2, 401)
+
+    async def run() -> None:
+        batcher.start()
+        await batcher.prefill(verifying)
+        await batcher.prefill(session_with_prompt(3, 61))  # alone: the cost is measured
+        opening = asyncio.create_task(batcher.prefill(long))
+        tail: list[int] = []  # the edge's recovered token after a rejection
+        for seq in range(1, 13):
+            block = VerifyBlock(
+                BlockId(1, seq, len(verifying.confirmed) + len(tail), verifying.digest),
+                np.asarray([5], dtype=np.uint32),
+                np.ones(1, dtype=np.float32),
+                np.asarray(tail, dtype=np.uint32),
+            )
+            assert verifying.admit(block) is None  # as the channel does
+            result = await batcher.verify(verifying, block)
+            recovered = result.correction is not None and result.next_token is None
+            tail = [int(result.correction.token_ids[0])] if recovered else []  # type: ignore[union-attr]
+            await asyncio.sleep(0.030)  # the edge drafts the next block
+        await batcher.close(verifying)
+        await opening
+        await batcher.stop()
+
+    asyncio.run(run())
+    chunks = [(chunks["1:2"], others) for chunks, others in target.rounds if "1:2" in chunks]
+    while_verifying = [rows for rows, _ in chunks[:20]]
+    assert all(rows <= 7 for rows in while_verifying), chunks
+    assert sum(rows for rows, _ in chunks) == 400
+    assert max(rows for rows, _ in chunks[-3:]) >= 24  # alone again once it closed
