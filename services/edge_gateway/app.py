@@ -91,7 +91,12 @@ async def _start(state: EdgeState) -> None:
         state.engine = TargetOnlyEngine(state.cloud, s.cloud_deadline_s)
         return
     state.scheduler = DraftScheduler(
-        draft, mode, s.max_draft_batch, state.metrics, model_thread=model_thread
+        draft,
+        mode,
+        s.max_draft_batch,
+        state.metrics,
+        model_thread=model_thread,
+        prefill_chunk_tokens=s.draft_prefill_chunk_tokens,
     )
     state.scheduler.start()
     if mode.is_draft_only:

@@ -88,6 +88,12 @@ class EdgeSettings(RuntimeSettings):
     num_proposals: int = Field(8, ge=1, description="Exact proposals per round.")
     proposal_rounds: int = Field(2, ge=0, description="Proposal rounds before the full row.")
     max_draft_batch: int = Field(32, ge=1, description="Most requests in one draft forward.")
+    draft_prefill_chunk_tokens: int = Field(
+        256,
+        ge=1,
+        description="A longer prompt is prefilled into the draft in chunks of this many "
+        "tokens, with the other requests' drafting between them.",
+    )
     max_concurrent_requests: int = Field(256, ge=1, description="Requests served at once.")
     max_model_len: int = Field(2048, ge=16, description="Prompt + completion token limit.")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens accepted.")

@@ -126,6 +126,15 @@ class DraftModel:
             raise ValueError("a prompt needs at least one token")
         self.lm.open(session_id, prompt_ids[:-1])
 
+    def start(self, session_id: str) -> None:
+        """Open an empty session, for a prompt fed in chunks (`prefill`)."""
+        self.lm.open(session_id, [])
+
+    def prefill(self, session_id: str, token_ids: Sequence[int]) -> None:
+        """Feed prompt tokens into a started session's cache (no logits: none are needed).
+        Together the chunks are all of the prompt but its last token, as `open` feeds."""
+        self.lm.forward_new([(session_id, token_ids)], keep_rows=[0])
+
     def close(self, session_id: str) -> None:
         self.lm.close(session_id)
 
