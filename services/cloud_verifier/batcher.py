@@ -37,7 +37,13 @@ import torch
 
 from asymspec.actors import ActorDied, Supervised
 from asymspec.backends.hardware import ForwardThreads
-from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import (
+    PrefillChunk,
+    ScoreRequest,
+    StepRequest,
+    TargetModel,
+    fed_rows,
+)
 from asymspec.model_thread import ModelThread
 from asymspec.wire import ErrorCode, VerifyResult, WireError
 from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
@@ -138,7 +144,7 @@ class Batcher:
         max_batch_size: int,
         max_wait_s: float,
         metrics: CloudMetrics,
-        prefill: PrefillBudget | None = None,
+        prefill_budget: PrefillBudget | None = None,
         threads: ForwardThreads | None = None,
         model_thread: ModelThread | None = None,
     ) -> None:
@@ -146,7 +152,7 @@ class Batcher:
         self.threads = threads  # None: the thread count set at start-up, never changed
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        self.prefill_budget = prefill or PrefillBudget()
+        self.prefill_budget = prefill_budget or PrefillBudget()
         self.cost = ForwardCost()  # what this target's forwards cost here, as measured
         self.metrics = metrics
         metrics.forward_base_seconds.set_function(lambda: self._fitted_cost()[0])
@@ -403,9 +409,7 @@ class Batcher:
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
         started = time.perf_counter()
         logits, tokens = self.target.round(prefills, scores, steps)
-        fed = sum(len(c.token_ids) for c in prefills) + sum(len(r.new_tokens) for r in scores)
-        fed += sum(len(r.pending_tokens) for r in steps)
-        self.cost.observe(fed, time.perf_counter() - started)
+        self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started)
         kind = "verify" if scores else "decode" if steps else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         values: dict[int, Any] = {}

@@ -7,7 +7,13 @@ import torch
 from transformers import LlamaForCausalLM
 
 from asymspec.backends.loading import session_lm
-from asymspec.backends.target import ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import (
+    PrefillChunk,
+    ScoreRequest,
+    StepRequest,
+    TargetModel,
+    fed_rows,
+)
 from asymspec.sampling import SamplingParams, sample, transform
 from tests.backends.conftest import TINY_VOCAB, full_logits
 
@@ -111,3 +117,14 @@ def test_score_needs_a_tail(target: TargetModel) -> None:
     target.open("s", [1, 2])
     with pytest.raises(ValueError):
         target.score([ScoreRequest("s", [3, 4], num_draft_tokens=2)])  # no tail before γ
+
+
+def test_a_round_feeds_every_prefill_verify_and_decode_position() -> None:
+    """What the cloud's forward cost is fitted on: 7 prompt tokens, a tail and 4 drafts,
+    then a decode step that also feeds a recovered token."""
+    greedy = SamplingParams(temperature=0.0)
+    prefills = [PrefillChunk("a", [1] * 7)]
+    scores = [ScoreRequest("b", [5, 6, 7, 8, 9], 4)]
+    steps = [StepRequest("c", [3, 4], greedy, torch.Generator())]
+    assert fed_rows(prefills, scores, steps) == 7 + 5 + 2
+    assert fed_rows([], [], []) == 0

@@ -15,7 +15,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import (
+    PrefillChunk,
+    ScoreRequest,
+    StepRequest,
+    TargetModel,
+    fed_rows,
+)
 from asymspec.wire import BlockId, VerifyBlock
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.forward_cost import PrefillBudget
@@ -95,11 +101,10 @@ class PerRowCostTarget(RecordingTarget):
         scores: Sequence[ScoreRequest],
         steps: Sequence[StepRequest],
     ) -> tuple[list[torch.Tensor], list[int]]:
-        rows = sum(len(c.token_ids) for c in prefills) + sum(len(r.new_tokens) for r in scores)
-        rows += sum(len(r.pending_tokens) for r in steps)
+        cost_s = self.BASE_S + self.PER_ROW_S * fed_rows(prefills, scores, steps)
         started = time.perf_counter()
         out = super().round(prefills, scores, steps)
-        time.sleep(max(0.0, self.BASE_S + self.PER_ROW_S * rows - time.perf_counter() + started))
+        time.sleep(max(0.0, cost_s - (time.perf_counter() - started)))
         return out
 
 

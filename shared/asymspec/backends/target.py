@@ -44,6 +44,14 @@ class StepRequest:
     generator: torch.Generator  # CPU; one uniform per step
 
 
+def fed_rows(
+    prefills: Sequence[PrefillChunk], scores: Sequence[ScoreRequest], steps: Sequence[StepRequest]
+) -> int:
+    """The positions one `TargetModel.round` feeds the model: what its cost grows with."""
+    fed = sum(len(c.token_ids) for c in prefills) + sum(len(r.new_tokens) for r in scores)
+    return fed + sum(len(r.pending_tokens) for r in steps)
+
+
 class TargetModel:
     """Owns the target LM's per-session caches; one forward per batch of blocks."""
 
