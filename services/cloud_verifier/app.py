@@ -19,6 +19,7 @@ from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec.backends.feature_draft import FeatureLM
 from asymspec.backends.target import TargetModel
 from asymspec.model_thread import ModelThread
 from cloud_verifier.batcher import Batcher
@@ -46,6 +47,8 @@ class CloudState:
 
 def load_target(settings: CloudSettings) -> TargetModel:
     lm, _ = settings.load(settings.target_model)
+    if isinstance(lm, FeatureLM):
+        raise ValueError(f"{settings.target_model} is a feature draft, not a target model")
     return TargetModel(lm)
 
 

@@ -376,7 +376,7 @@ class Batcher:
                     results[i] = _guard(self._close, job)
         return [results[i] for i in range(len(jobs))]
 
-    def _start_chunks(self, chunks: list[_Chunk]) -> list[PrefillChunk]:
+    def _start_chunks(self, chunks: list[_Chunk]) -> list[tuple[PrefillChunk, Session]]:
         prefills = []
         for chunk in chunks:
             prefill, session = chunk.prefill, chunk.prefill.job.session
@@ -387,13 +387,16 @@ class Batcher:
                 self.target.start(session.key)
                 prefill.started = True
             if chunk.end > chunk.start:
+                tokens = session.confirmed[chunk.start : chunk.end]
                 prefills.append(
-                    PrefillChunk(session.key, session.confirmed[chunk.start : chunk.end])
+                    (PrefillChunk(session.key, tokens, session.wants_features), session)
                 )
         return prefills
 
-    def _forward(self, jobs: list[_Job], prefills: list[PrefillChunk]) -> list[Any]:
-        """The round's one target forward; per job its VerifyResult or decoded token."""
+    def _forward(self, jobs: list[_Job], starting: list[tuple[PrefillChunk, Session]]) -> list[Any]:
+        """The round's one target forward; per job its VerifyResult or decoded token (the
+        prefill chunks' features, where asked, go to their sessions)."""
+        prefills = [chunk for chunk, _ in starting]
         scores: list[ScoreRequest] = []
         steps: list[StepRequest] = []
         verify_jobs = [job for job in jobs if job.verifies]
@@ -402,26 +405,34 @@ class Batcher:
             assert job.block is not None
             pending = job.session.pending_tokens(self.target.length(job.session.key))
             new_tokens = [*pending, *(int(t) for t in job.block.draft_tokens)]
-            scores.append(ScoreRequest(job.session.key, new_tokens, len(job.block.draft_tokens)))
+            gamma = len(job.block.draft_tokens)
+            scores.append(
+                ScoreRequest(job.session.key, new_tokens, gamma, job.session.wants_features)
+            )
         for job in step_jobs:
             s = job.session
             pending = s.pending_tokens(self.target.length(s.key))
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
         started = time.perf_counter()
-        logits, tokens = self.target.round(prefills, scores, steps)
+        done = self.target.round(prefills, scores, steps)
         self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started)
         kind = "verify" if scores else "decode" if steps else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
+        for (_, session), features in zip(starting, done.prefill_features, strict=True):
+            if features is not None:
+                session.prompt_features.append(features)
         values: dict[int, Any] = {}
-        for job, rows in zip(verify_jobs, logits, strict=True):
+        for job, rows, features in zip(
+            verify_jobs, done.score_logits, done.score_features, strict=True
+        ):
             assert job.block is not None
             kept = len(job.session.confirmed)  # the cache now holds confirmed + the drafts
-            result, n_accepted = job.session.decide(job.block, rows)
+            result, n_accepted = job.session.decide(job.block, rows, features)
             self.target.commit(job.session.key, kept + n_accepted)
             values[id(job)] = result
         if verify_jobs:
             self.metrics.verified_blocks.inc(len(verify_jobs))
-        for job, token in zip(step_jobs, tokens, strict=True):
+        for job, token in zip(step_jobs, done.tokens, strict=True):
             job.session.confirmed.append(token)
             values[id(job)] = token
         return [values[id(job)] for job in jobs]

@@ -18,8 +18,10 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
+from asymspec.backends.feature_draft import features_to_wire
 from asymspec.correction import Rung
 from asymspec.wire import (
     BlockId,
@@ -28,6 +30,7 @@ from asymspec.wire import (
     CorrectionResponse,
     ErrorCode,
     ErrorFrame,
+    Features,
     GenerateRequest,
     GenerateTokens,
     Hello,
@@ -214,9 +217,16 @@ class ChannelServer:
             config=msg.sampling,
             first_rung=Rung(msg.first_kind, msg.first_size),
             confirmed=[int(t) for t in msg.prompt_tokens],
+            wants_features=msg.wants_features,
         )
         if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
             raise WireError(ErrorCode.MALFORMED, "prompt token id outside the vocabulary")
+        if msg.wants_features and not self.batcher.target.provides_features:
+            raise WireError(
+                ErrorCode.UNSUPPORTED,
+                "this verifier's target engine returns no hidden states, so it cannot serve "
+                "a feature draft (use a token draft at the edge, or a Llama-family target)",
+            )
         conn.sessions[msg.session_id] = session
         try:
             await self.batcher.prefill(session)
@@ -225,7 +235,13 @@ class ChannelServer:
             conn.sessions.pop(msg.session_id, None)
             await asyncio.shield(self.batcher.close(session))
             raise
-        await conn.send(SessionOpened(msg.session_id, len(session.confirmed)))
+        await conn.send(
+            SessionOpened(
+                msg.session_id,
+                len(session.confirmed),
+                _prompt_h(session, self.batcher.target.hidden_size),
+            )
+        )
 
     async def _close(self, conn: _Connection, session_id: int) -> None:
         session = conn.sessions.pop(session_id, None)
@@ -265,3 +281,13 @@ class ChannelServer:
                 done = token in stop or sent == msg.max_tokens
                 frame = GenerateTokens(msg.session_id, np.array([token], np.uint32), done)
                 await conn.send(frame)
+
+
+def _prompt_h(session: Session, hidden_size: int) -> Features | None:
+    """The prompt's h for an edge that asked (then dropped here: the verdicts carry the rest)."""
+    if not session.wants_features:
+        return None
+    parts, session.prompt_features = session.prompt_features, []
+    if not parts:  # a one-token prompt: no position was fed
+        return np.zeros((0, hidden_size), dtype=np.uint16)
+    return features_to_wire(torch.cat(parts))

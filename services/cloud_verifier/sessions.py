@@ -20,6 +20,7 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
+from asymspec.backends.feature_draft import features_to_wire
 from asymspec.correction import Rung, answer
 from asymspec.sampling import (
     SamplingParams,
@@ -51,6 +52,7 @@ class Session:
     config: SamplingConfig
     first_rung: Rung  # what a rejection's verdict carries (rung 0 of the edge's ladder)
     confirmed: list[int]  # prompt + committed tokens
+    wants_features: bool = False  # the edge drafts from the target's h (a feature draft)
     params: SamplingParams = field(init=False)
     digest: int = field(init=False)
     rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
@@ -63,6 +65,8 @@ class Session:
     retained_row: torch.Tensor | None = None  # [V] p at the rejected position
     answers: dict[int, Payload] = field(default_factory=dict)  # rung index -> answer
     closed: bool = False
+    # h of the prompt positions prefilled so far (chunk by chunk), for SessionOpened
+    prompt_features: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -125,10 +129,14 @@ class Session:
 
     # ------------------------------------------------------------------ verdict
 
-    def decide(self, msg: AnyBlock, logits: torch.Tensor) -> tuple[VerifyResult, int]:
+    def decide(
+        self, msg: AnyBlock, logits: torch.Tensor, features: torch.Tensor | None = None
+    ) -> tuple[VerifyResult, int]:
         """The verdict for a scored block, and how many drafted positions to keep cached.
 
-        logits [γ+1, V] are the target's rows p_1 .. p_{γ+1} before the sampling transform.
+        logits [γ+1, V] are the target's rows p_1 .. p_{γ+1} before the sampling transform;
+        features [γ+1, hidden] their h, when the edge asked (the verdict carries the
+        confirmed ones: the tail's and the accepted drafts').
         """
         p_rows = transform(logits, self.params)  # [γ+1, V] float32
         tokens = msg.draft_tokens
@@ -141,20 +149,21 @@ class Session:
         outcome = accept_block(tokens, q_of_x, p_rows, self.rng.random(gamma + 1))
         n = outcome.n_accepted
         self.confirmed.extend(int(t) for t in tokens[:n])
+        h = None if features is None else features_to_wire(features[: n + 1])
         if outcome.bonus_token is not None:
             self.confirmed.append(outcome.bonus_token)
-            result = VerifyResult(msg.block, n, outcome.bonus_token, None)
+            result = VerifyResult(msg.block, n, outcome.bonus_token, None, h)
         elif q_rows is not None:
             # Full-upload modes: the cloud holds q, so it samples the exact residual itself.
             token = sample(residual(p_rows[n], q_rows[n]), float(self.rng.random()))
             self.confirmed.append(token)
-            result = VerifyResult(msg.block, n, token, None)
+            result = VerifyResult(msg.block, n, token, None, h)
         else:
             self.retained_row = p_rows[n].clone()
             self.awaiting_recovery = True
             first = answer(self.first_rung, self.retained_row, self.rng.random)
             self.answers[0] = first
-            result = VerifyResult(msg.block, n, None, first)
+            result = VerifyResult(msg.block, n, None, first, h)
         self.last_seq, self.last_block, self.last_result = msg.block.seq, msg.block, result
         self.open_block = False
         return result, n

@@ -85,6 +85,14 @@ async def _start(state: EdgeState) -> None:
         log.exception("loading the draft failed")
         state.error = f"{type(exc).__name__}: {exc}"
         return
+    if mode.is_draft_only and draft.needs_features:
+        model_thread.shutdown()
+        state.error = (
+            f"draft-only mode needs a token draft: {s.draft_model} is a feature draft, which "
+            "drafts from the target's hidden states (set ASYMSPEC_EDGE_DRAFT_MODEL)"
+        )
+        log.error(state.error)
+        return
     if mode.is_target_only:
         model_thread.shutdown()
         assert state.cloud is not None

@@ -23,6 +23,7 @@ import torch
 from asymspec.actors import ActorDied
 from asymspec.backends.draft import Draft, DraftRequest
 from asymspec.backends.engine import draw_uniform
+from asymspec.backends.feature_draft import FeatureLog, features_from_wire
 from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
@@ -35,6 +36,7 @@ from asymspec.wire import (
     OpenSession,
     Payload,
     SamplingConfig,
+    SessionOpened,
     VerifyBlock,
     VerifyBlockFull,
     VerifyResult,
@@ -114,7 +116,8 @@ class SpeculativeEngine:
         """``first_rung``: the ladder index whose answer a rejection's verdict carries."""
         first = self.ladder.rungs()[first_rung]
         tokens = np.asarray(prompt, dtype=np.uint32)
-        return OpenSession(session_id, tokens, config, first.kind, first.size)
+        wants_features = self.scheduler.draft.needs_features
+        return OpenSession(session_id, tokens, config, first.kind, first.size, wants_features)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         seed = _seed(request)
@@ -125,14 +128,7 @@ class SpeculativeEngine:
         # One try for open and run: whenever the request ends (done, failed, or the client
         # gone while the session was still opening), both sides of its session are closed.
         try:
-            opening = asyncio.ensure_future(state.open())
-            drafting = asyncio.ensure_future(self.scheduler.open(state.key, request.prompt_ids))
-            try:
-                await asyncio.gather(opening, drafting)
-            finally:  # neither may outlive the other's failure or a cancellation
-                for part in (opening, drafting):
-                    part.cancel()
-                await asyncio.gather(opening, drafting, return_exceptions=True)
+            await state.open_both()
             async for tokens in state.run():
                 yield tokens
         except _CLOUD_FAILURES as exc:
@@ -182,8 +178,30 @@ class _RequestState:
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
         # How many of the draft cache's tokens the last verdict confirmed (before the first
         # block, the prompt's all but last, as open() cached them): the next propose rolls
-        # the cache back to it.
+        # the cache back to it. A feature draft's count stops before the block's drafts,
+        # which it fed with its own ĥ: they go in again with the target's h.
         self.draft_confirmed = len(self.confirmed) - 1
+        # A feature draft's target features by position (None: a token draft)
+        draft = engine.scheduler.draft
+        self.features = FeatureLog(draft.hidden_size) if draft.needs_features else None
+
+    async def open_both(self) -> None:
+        """Open the cloud's session and the draft's. A token draft opens alongside the
+        cloud; a feature draft needs the prompt's features, so it opens after."""
+        scheduler = self.engine.scheduler
+        if self.features is not None:
+            await self.open()
+            prompt = self.confirmed
+            await scheduler.open(self.key, prompt, self.features.before(0, len(prompt) - 1))
+            return
+        opening = asyncio.ensure_future(self.open())
+        drafting = asyncio.ensure_future(scheduler.open(self.key, self.confirmed))
+        try:
+            await asyncio.gather(opening, drafting)
+        finally:  # neither may outlive the other's failure or a cancellation
+            for part in (opening, drafting):
+                part.cancel()
+            await asyncio.gather(opening, drafting, return_exceptions=True)
 
     async def open(self) -> None:
         """Open the session from the confirmed prefix on a live replica. A replica lost
@@ -199,11 +217,19 @@ class _RequestState:
                 self.session_id, self.confirmed, self.config, self.first_rung
             )
             try:
-                await channel.open_session(message)
+                opened = await channel.open_session(message)
+                self._log_prompt_features(opened)
                 return
             except ChannelDown:
                 if time.monotonic() >= deadline_s:
                     raise
+
+    def _log_prompt_features(self, opened: SessionOpened) -> None:
+        if self.features is None:
+            return
+        if opened.features is None:
+            raise CloudError(ErrorCode.UNSUPPORTED, "the cloud sent no features at open")
+        self.features.extend(0, features_from_wire(opened.features))
 
     @property
     def channel(self) -> CloudChannel:
@@ -252,7 +278,7 @@ class _RequestState:
         self.seq, self.tail, self.next_draft = 0, [], None
         # The draft's cache lags the confirmed prefix by >= 1 (the last token is pending);
         # the next propose rolls it back there.
-        self.draft_confirmed = len(self.confirmed) - 1
+        self.draft_confirmed = min(self.draft_confirmed, len(self.confirmed) - 1)
         await self.open()
         engine.metrics.session_reopens.inc()
 
@@ -262,7 +288,13 @@ class _RequestState:
                 return await self._block(gamma)
         return await self._block(gamma)
 
-    async def _draft(self, gamma: int, pending: list[int], rollback_to: int | None = None) -> Draft:
+    async def _draft(
+        self,
+        gamma: int,
+        pending: list[int],
+        rollback_to: int | None = None,
+        prev_features: torch.Tensor | None = None,
+    ) -> Draft:
         return await self.engine.scheduler.propose(
             DraftRequest(
                 session_id=self.key,
@@ -272,18 +304,22 @@ class _RequestState:
                 generator=self.generator,
                 quantize_half=self.engine.mode.uploads_full_rows,
                 rollback_to=rollback_to,
+                prev_features=prev_features,
             )
         )
 
     async def _block(self, gamma: int) -> list[int]:
         engine, metrics = self.engine, self.engine.metrics
         draft, self.next_draft = self.next_draft, None
+        from_runahead = draft is not None
         if draft is None:
             # The draft's cache after rolling back to what the last verdict confirmed (its
             # owner's count, clipped: the last draft token was sampled, never fed), and what
             # it has not seen of the confirmed prefix.
             kept = min(self.draft_confirmed, self.engine.scheduler.cached_length(self.key))
-            draft = await self._draft(gamma, self.confirmed[kept:], rollback_to=kept)
+            end = len(self.confirmed)
+            features = None if self.features is None else self.features.before(kept, end)
+            draft = await self._draft(gamma, self.confirmed[kept:], kept, features)
         gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
@@ -311,13 +347,28 @@ class _RequestState:
         self.confirmed += [*accepted, new_token]
         if runahead is not None:
             await self._adopt_runahead(await runahead, n == gamma, new_token)
-        # The accepted part of what the draft fed stays; the next propose drops the rest
-        # (unless an adopted runahead block, drafted from exactly this prefix, goes next).
-        self.draft_confirmed = base_len + n
+        if self.features is None:
+            # The accepted part of what the draft fed stays; the next propose drops the rest
+            # (unless an adopted runahead block, drafted from exactly this prefix, goes next).
+            self.draft_confirmed = base_len + n
+        else:
+            self._log_block_features(result, base_len)
+            # The draft fed its block's tokens with its own ĥ: from base_len on they go in
+            # again with the verdict's h. A runahead block was drafted on top of the last
+            # one's guesses, so the count stays where that block's started.
+            if not from_runahead:
+                self.draft_confirmed = base_len
         engine.metrics.record_block(gamma, n)
         self.request.stats.record_block(gamma, n)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
+
+    def _log_block_features(self, result: VerifyResult, base_len: int) -> None:
+        """The verdict's h of positions base_len - 1 .. base_len + n_accepted - 1."""
+        assert self.features is not None
+        if result.features is None:
+            raise CloudError(ErrorCode.UNSUPPORTED, "the cloud sent a verdict without features")
+        self.features.extend(base_len - 1, features_from_wire(result.features))
 
     def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
         """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):

@@ -78,20 +78,27 @@ class DraftScheduler:
 
     # ------------------------------------------------------------------ request API
 
-    async def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
-        """Prefill the draft's cache with the prompt (all but its last token). A long prompt
+    async def open(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        prev_features: torch.Tensor | None = None,
+    ) -> None:
+        """Prefill the draft's cache with the prompt (all but its last token; a feature
+        draft reads ``prev_features`` [len(prompt) - 1, hidden] with them). A long prompt
         goes in chunks of `prefill_chunk_tokens`, each its own call on the model thread, so
         the other requests' drafting runs between them instead of waiting for the whole
         prompt (a 2,000-token prompt holds a 2-core CPU's draft for about a second)."""
         prefix = list(prompt_ids[:-1])
         if len(prefix) <= self.prefill_chunk_tokens:
-            await self._call(self.draft.open, session_id, prompt_ids)
+            await self._call(self.draft.open, session_id, prompt_ids, prev_features)
         else:
             await self._call(self.draft.start, session_id)
             try:
                 for start in range(0, len(prefix), self.prefill_chunk_tokens):
-                    chunk = prefix[start : start + self.prefill_chunk_tokens]
-                    await self._call(self.draft.prefill, session_id, chunk)
+                    end = min(len(prefix), start + self.prefill_chunk_tokens)
+                    features = None if prev_features is None else prev_features[start:end]
+                    await self._call(self.draft.prefill, session_id, prefix[start:end], features)
             except Exception:
                 await self._call(self.draft.close, session_id)  # no half-open session
                 raise

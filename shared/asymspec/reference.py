@@ -32,7 +32,8 @@ import torch
 
 from asymspec.backends.draft import Draft, DraftModel, DraftRequest
 from asymspec.backends.engine import draw_uniform
-from asymspec.backends.target import ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.feature_draft import FeatureLog
+from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
 from asymspec.sampling import SamplingParams, accept_block, residual, sample, transform
 
 
@@ -103,22 +104,34 @@ def _run_block(
     params: SamplingParams,
     edge: torch.Generator,
     cloud: torch.Generator,
+    features: FeatureLog | None = None,
 ) -> _BlockVerdict:
     """Draft γ tokens, score them in one target forward, accept, recover; roll both back."""
     base = len(committed)
-    pending = committed[draft.length(session_id) :]
-    request = DraftRequest(session_id, pending, num_draft_tokens, params, edge)
+    cached = draft.length(session_id)
+    pending = committed[cached:]
+    prev = None if features is None else features.before(cached, base)
+    request = DraftRequest(session_id, pending, num_draft_tokens, params, edge, prev_features=prev)
     proposal = draft.propose([request])[0]
     gamma = len(proposal.tokens)  # the draft may end its block early (stop_confidence)
     tail = committed[target.length(session_id) :]
     new_tokens = tail + proposal.tokens.tolist()
-    logits = target.score([ScoreRequest(session_id, new_tokens, gamma)])[0]
-    p = transform(logits, params).cpu()  # [γ+1, V] p_1 .. p_{γ+1}
+    score = ScoreRequest(session_id, new_tokens, gamma, wants_features=features is not None)
+    scored = target.round([], [score], [])
+    p = transform(scored.score_logits[0], params).cpu()  # [γ+1, V] p_1 .. p_{γ+1}
     uniforms = np.array([draw_uniform(cloud) for _ in range(gamma + 1)])  # [γ+1]
     outcome = accept_block(proposal.tokens, proposal.probs, p.numpy(), uniforms)
     n = outcome.n_accepted
     target.commit(session_id, base + n)  # drops the rejected drafts' positions
-    draft.rollback(session_id, base + n)
+    if features is None:
+        draft.rollback(session_id, base + n)
+    else:
+        # h of positions base - 1 .. base + n - 1; the draft fed its block's tokens with its
+        # own ĥ, so from base on they go in again with the target's h
+        block_h = scored.score_features[0]
+        assert block_h is not None
+        features.extend(base - 1, block_h[: n + 1])
+        draft.rollback(session_id, base)
     if outcome.bonus_token is not None:
         return _BlockVerdict(proposal, n, outcome.bonus_token, is_bonus=True)
     recovered = sample(residual(p[n], proposal.rows[n]), draw_uniform(edge))
@@ -173,13 +186,29 @@ def speculative_generate(
     )
     target_calls, draft_calls = target.forward_calls, draft.lm.forward_calls
     output: list[int] = []
-    target.open(session_id, committed)
-    draft.open(session_id, committed)
+    # A feature draft reads the target's h of each position before a token it feeds: the
+    # prompt's from the target's prefill, then each verdict's (asymspec.backends.feature_draft)
+    features = FeatureLog(draft.hidden_size) if draft.needs_features else None
+    if features is None:
+        target.open(session_id, committed)
+        draft.open(session_id, committed)
+    else:
+        target.start(session_id)
+        prompt_h = None
+        if len(committed) > 1:
+            chunk = PrefillChunk(session_id, committed[:-1], wants_features=True)
+            h = target.round([chunk], [], []).prefill_features[0]
+            assert h is not None  # asked for
+            features.extend(0, h)
+            prompt_h = features.before(0, len(committed) - 1)
+        draft.open(session_id, committed, prompt_h)
     try:
         while not _finished(output, max_new_tokens, eos_token_id):
             # The last block drafts no further than the output can go.
             gamma = min(num_draft_tokens, max_new_tokens - len(output))
-            verdict = _run_block(target, draft, session_id, committed, gamma, params, edge, cloud)
+            verdict = _run_block(
+                target, draft, session_id, committed, gamma, params, edge, cloud, features
+            )
             emitted = _emit(verdict, max_new_tokens - len(output), eos_token_id, stats)
             output += emitted
             committed += emitted

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.engine import SessionLM
+from asymspec.backends.feature_draft import FeatureLM
 from asymspec.backends.hardware import Role, colocated_threads, pick_device, resolve_precision
 from asymspec.backends.loading import load_session_lm
 from asymspec.modes import Mode, get_mode
@@ -72,7 +73,7 @@ class RuntimeSettings(BaseSettings):
         """The mode the (colocated) edge runs; the edge's own settings know it first-hand."""
         return get_mode(self.colocated_mode)
 
-    def load(self, name_or_path: str) -> tuple[SessionLM, PreTrainedTokenizerBase]:
+    def load(self, name_or_path: str) -> tuple[SessionLM | FeatureLM, PreTrainedTokenizerBase]:
         """Set the threads, then load the model on the resolved device and dtype."""
         threads = self.resolved_torch_threads()
         if threads is not None:

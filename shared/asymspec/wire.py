@@ -17,17 +17,24 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     prompt   = the same uint32 bytes, zlib-compressed: sent once per request, the prompt is
                most of the uplink a compact-mode request costs, and token ids compress
                ~2.2x (the high bytes of ids below 65,536 are zero); lossless, so exact
+    Features = array [hidden, bin of bf16 bit patterns as little-endian uint16, row-major
+               rows × hidden]: the target's last hidden states of confirmed positions, for
+               a feature draft (``asymspec.backends.feature_draft``). Downlink only, and
+               only to an edge that asked: they are a draft's input, never a probability,
+               so bf16 rounding changes which q the edge proposes from, not exactness
     absent   = nil
 
     type  message            fields after [version, type]
     1     Hello              edge_id, auth_token
     2     HelloAck           server_id
-    3     OpenSession        session_id, prompt_tokens, Sampling, [first_kind, first_size]
-    4     SessionOpened      session_id, prefix_len
+    3     OpenSession        session_id, prompt_tokens, Sampling, [first_kind, first_size],
+                             wants_features
+    4     SessionOpened      session_id, prefix_len, Features | nil (positions 0 .. prefix_len-2)
     5     CloseSession       session_id
     6     VerifyBlock        BlockId, draft_tokens, draft_probs, committed_tail
     7     VerifyBlockFull    BlockId, draft_tokens, draft_rows, committed_tail
-    8     VerifyResult       BlockId, n_accepted, next_token | nil, payload | nil
+    8     VerifyResult       BlockId, n_accepted, next_token | nil, payload | nil,
+                             Features | nil (the block's tail and accepted drafts: n_accepted+1)
     9     CorrectionRequest  BlockId, kind, size, rung
     10    CorrectionResponse BlockId, payload
     11    (retired: Commit; the recovered token rides in the next block's tail)
@@ -58,7 +65,7 @@ import numpy.typing as npt
 
 from asymspec.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: the OpenSession prompt travels zlib-compressed
+PROTOCOL_VERSION = 3  # 2: the OpenSession prompt travels zlib-compressed; 3: features
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -68,10 +75,12 @@ _U64_MAX = 2**64 - 1  # session ids and seeds: wide enough to pick at random
 _WIRE_U32 = np.dtype("<u4")
 _WIRE_F32 = np.dtype("<f4")
 _WIRE_F16 = np.dtype("<f2")
+_WIRE_BF16_BITS = np.dtype("<u2")
 
 TokenIds: TypeAlias = npt.NDArray[np.uint32]  # (n,)
 Probs: TypeAlias = npt.NDArray[np.float32]  # (n,)
 HalfRows: TypeAlias = npt.NDArray[np.float16]  # (γ, V)
+Features: TypeAlias = npt.NDArray[np.uint16]  # (rows, hidden) bf16 bit patterns
 
 
 class MessageType(IntEnum):
@@ -114,6 +123,7 @@ class ErrorCode(IntEnum):
     DUPLICATE = 7
     OVERLOADED = 8
     INTERNAL = 9
+    UNSUPPORTED = 10  # asked of a peer that cannot do it (e.g. features of a CachedLM target)
 
 
 class WireError(ValueError):
@@ -254,23 +264,29 @@ class OpenSession(_Wire):
     sampling: SamplingConfig
     first_kind: CorrectionKind = CorrectionKind.TOPK
     first_size: int = 16
+    wants_features: bool = False  # the edge drafts with a feature draft: send the target's h
 
     def _fields(self) -> list[Any]:
         p, seed = self.sampling.params, self.sampling.seed
         sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed)]
         first = [int(self.first_kind), self.first_size]
         prompt = zlib.compress(_u32s(self.prompt_tokens), 6)
-        return [self.session_id, prompt, sampling, first]
+        return [self.session_id, prompt, sampling, first, bool(self.wants_features)]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SessionOpened(_Wire):
+    """The prompt is in the target's cache; ``features`` (when the edge asked) are its h of
+    positions 0 .. prefix_len - 2, the positions it fed (the last token is the first
+    block's tail)."""
+
     TYPE: ClassVar[MessageType] = MessageType.SESSION_OPENED
     session_id: int
     prefix_len: int
+    features: Features | None = None  # (prefix_len - 1, hidden)
 
     def _fields(self) -> list[Any]:
-        return [self.session_id, self.prefix_len]
+        return [self.session_id, self.prefix_len, _features(self.features)]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -328,10 +344,19 @@ class VerifyResult(_Wire):
     n_accepted: int
     next_token: int | None
     correction: Payload | None
+    # When the edge asked: the target's h of the block's tail and its accepted drafts, the
+    # confirmed positions this forward fed (n_accepted + 1, hidden)
+    features: Features | None = None
 
     def _fields(self) -> list[Any]:
         correction = None if self.correction is None else self.correction._fields()
-        return [_block(self.block), self.n_accepted, self.next_token, correction]
+        return [
+            _block(self.block),
+            self.n_accepted,
+            self.next_token,
+            correction,
+            _features(self.features),
+        ]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -449,6 +474,14 @@ def _str(value: Any) -> str:
     return value
 
 
+def _features(features: Any) -> list[Any] | None:
+    if features is None:
+        return None
+    if not isinstance(features, np.ndarray) or features.ndim != 2 or features.shape[1] == 0:
+        raise TypeError("features: expected a 2-D uint16 (bf16 bits) array with hidden > 0")
+    return [int(features.shape[1]), _array_bytes(features, _WIRE_BF16_BITS, 2, "features")]
+
+
 def _block(block: BlockId) -> list[int]:
     return [block.session_id, block.seq, block.base_len, block.config_digest]
 
@@ -559,6 +592,24 @@ class _Fields:
         value, where = self._next()
         return _Fields(value, count, f"{where} ({what})")
 
+    def opt_features(self, rows: int | None = None) -> Features | None:
+        """Features or nil; ``rows``: how many rows the message says there must be."""
+        if self.peek_none():
+            self.skip()
+            return None
+        f = self.nested(2, "Features")
+        hidden = f.uint()
+        raw, where = f.raw_bytes()
+        if hidden == 0 or len(raw) % (2 * hidden):
+            raise _malformed(f"{where}: {len(raw)} bytes is not rows of {hidden} bf16 values")
+        count = len(raw) // (2 * hidden)
+        if rows is not None and count != rows:
+            raise _malformed(f"{where}: {count} feature rows; expected {rows}")
+        arr = np.frombuffer(raw, dtype=_WIRE_BF16_BITS)
+        arr = arr.astype(_WIRE_BF16_BITS.newbyteorder("="), copy=False).reshape(count, hidden)
+        arr.flags.writeable = False
+        return arr
+
     def block(self) -> BlockId:
         f = self.nested(4, "BlockId")
         return BlockId(f.uint(_U64_MAX), f.uint(), f.uint(), f.uint())
@@ -648,7 +699,8 @@ def _verify_result(f: _Fields) -> VerifyResult:
         correction = f.payload()
     if (next_token is None) == (correction is None):
         raise _malformed("VerifyResult needs exactly one of next_token and correction")
-    return VerifyResult(block, n_accepted, next_token, correction)
+    features = f.opt_features(n_accepted + 1)
+    return VerifyResult(block, n_accepted, next_token, correction, features)
 
 
 def _open_session(f: _Fields) -> OpenSession:
@@ -659,7 +711,12 @@ def _open_session(f: _Fields) -> OpenSession:
     size = first.uint()
     if (kind is CorrectionKind.FULL) != (size == 0):
         raise _malformed(f"OpenSession first correction {kind.name} with size {size}")
-    return OpenSession(session_id, prompt, sampling, kind, size)
+    return OpenSession(session_id, prompt, sampling, kind, size, f.boolean())
+
+
+def _session_opened(f: _Fields) -> SessionOpened:
+    session_id, prefix_len = f.uint(_U64_MAX), f.uint()
+    return SessionOpened(session_id, prefix_len, f.opt_features(max(prefix_len - 1, 0)))
 
 
 def _correction_request(f: _Fields) -> CorrectionRequest:
@@ -684,12 +741,12 @@ _FIELD_COUNTS = MappingProxyType(
     {
         MessageType.HELLO: 2,
         MessageType.HELLO_ACK: 1,
-        MessageType.OPEN_SESSION: 4,
-        MessageType.SESSION_OPENED: 2,
+        MessageType.OPEN_SESSION: 5,
+        MessageType.SESSION_OPENED: 3,
         MessageType.CLOSE_SESSION: 1,
         MessageType.VERIFY_BLOCK: 4,
         MessageType.VERIFY_BLOCK_FULL: 4,
-        MessageType.VERIFY_RESULT: 4,
+        MessageType.VERIFY_RESULT: 5,
         MessageType.CORRECTION_REQUEST: 4,
         MessageType.CORRECTION_RESPONSE: 2,
         MessageType.GENERATE_REQUEST: 3,
@@ -711,7 +768,7 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
         case MessageType.OPEN_SESSION:
             return _open_session(f)
         case MessageType.SESSION_OPENED:
-            return SessionOpened(f.uint(_U64_MAX), f.uint())
+            return _session_opened(f)
         case MessageType.CLOSE_SESSION:
             return CloseSession(f.uint(_U64_MAX))
         case MessageType.VERIFY_BLOCK:
@@ -817,6 +874,11 @@ def _size_rows() -> list[tuple[str, str, int, int]]:
         *((f"VerifyBlock γ={g}", "up", _example_verify_block(g)) for g in (1, 4, 8)),
         ("VerifyResult all accepted (γ=4)", "down", VerifyResult(block, gamma, 40_123, None)),
         (f"VerifyResult reject + TopK K={k}", "down", VerifyResult(block, 2, None, topk)),
+        (
+            "VerifyResult + features (h=576)",
+            "down",
+            VerifyResult(block, gamma, 40_123, None, np.zeros((gamma + 1, 576), np.uint16)),
+        ),
         (f"VerifyBlockFull γ={gamma} V={vocab:,}", "up", full),
     ]
     rows = []

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asymspec.backends.draft import DraftModel
 from asymspec.backends.engine import CachedLM, SessionLM
+from asymspec.backends.feature_draft import FeatureLM
 from asymspec.backends.llama import LlamaEngine
 from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
@@ -51,6 +52,35 @@ def noisy_copy(model: LlamaForCausalLM, noise_std: float, seed: int) -> LlamaFor
         for param in draft.parameters():
             param.add_(noise_std * torch.randn(param.shape, generator=generator))
     return draft.eval()
+
+
+def feature_copy(
+    target: LlamaForCausalLM, feature_weight: float = 0.3, seed: int = 2
+) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """A one-layer feature draft of a tiny target (``asymspec.backends.feature_draft``): the
+    target with all but its first layer dropped, and an fc whose input is embed(x_s) +
+    ``feature_weight`` * R h_{s-1} (R seeded random), so that its q agrees with the target's
+    p in part and depends on the target features it is fed. (layer model, fc weight)."""
+    config = target.config.to_dict()
+    config["num_hidden_layers"] = 1
+    draft = type(target)(type(target.config).from_dict(config)).eval()
+    kept = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
+    draft.load_state_dict(kept)
+    hidden = target.config.hidden_size
+    mix = torch.randn((hidden, hidden), generator=torch.Generator().manual_seed(seed))
+    return draft, torch.cat([torch.eye(hidden), feature_weight * mix / hidden**0.5], dim=1)
+
+
+def feature_draft_lm(target: LlamaForCausalLM, feature_weight: float = 0.3) -> FeatureLM:
+    """``feature_copy`` loaded as the edge loads a feature draft."""
+    model, fc = feature_copy(target, feature_weight)
+    engine = session_lm(model)
+    assert isinstance(engine, LlamaEngine)
+    return FeatureLM(engine, fc)
 
 
 def full_logits(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch.Tensor:

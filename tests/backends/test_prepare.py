@@ -92,3 +92,49 @@ def test_prepared_pair_loads_shares_the_tokenizer_and_rerun_is_a_noop() -> None:
         assert target_file.read_bytes() == (prepare.draft_dir() / name).read_bytes()
     committed_head = prepare.COMMITTED_DRAFT_DIR / HEAD_VOCAB_FILE  # the restricted head
     assert (prepare.draft_dir() / HEAD_VOCAB_FILE).read_bytes() == committed_head.read_bytes()
+
+
+def test_a_committed_feature_draft_is_assembled_with_the_targets_embedding(
+    tmp_path: Path,
+) -> None:
+    """The committed folder leaves out the embedding (it is the target's, tied as the head);
+    the assembled checkpoint has it, its fc, and loads as a FeatureLM fed the same rows."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from asymspec.backends.feature_draft import FeatureLM, save_fc
+    from asymspec.backends.hardware import resolve_precision
+    from asymspec.backends.loading import load_session_lm
+    from tests.backends.conftest import build_tiny_llama, feature_copy
+    from tests.services.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    target = build_tiny_llama(seed=0, hidden_size=64, vocab_size=len(tokenizer))
+    target.config.tie_word_embeddings = True
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    layer, fc = feature_copy(target)
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    config = layer.config.to_dict() | {"tie_word_embeddings": True}
+    (committed / "config.json").write_text(json.dumps(config))
+    weights = {
+        name: value.to(torch.bfloat16).contiguous()
+        for name, value in layer.state_dict().items()
+        if name not in ("model.embed_tokens.weight", "lm_head.weight")
+    }
+    save_file(weights, str(committed / prepare.DRAFT_WEIGHTS))
+    save_fc(committed, fc.to(torch.bfloat16))
+    out = tmp_path / "assembled"
+    out.mkdir()
+    prepare.assemble_draft(committed, tmp_path / "target", out)
+    assembled = load_file(out / prepare.DRAFT_WEIGHTS)
+    embed = load_file(tmp_path / "target" / prepare.DRAFT_WEIGHTS)["model.embed_tokens.weight"]
+    assert torch.equal(assembled["model.embed_tokens.weight"], embed)
+    assert (out / "tokenizer.json").read_bytes() == (
+        tmp_path / "target/tokenizer.json"
+    ).read_bytes()
+    lm, _ = load_session_lm(str(out), "cpu", resolve_precision("float32", "cpu"))
+    assert isinstance(lm, FeatureLM)
+    assert torch.equal(lm.engine.embed, embed)
+    assert torch.equal(lm.fc.weight, fc.to(torch.bfloat16).float())

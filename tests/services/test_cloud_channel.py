@@ -16,10 +16,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 import websockets
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
+from asymspec.backends.feature_draft import features_from_wire
 from asymspec.sampling_params import SamplingParams
 from asymspec.wire import (
     BlockId,
@@ -29,6 +31,7 @@ from asymspec.wire import (
     ErrorCode,
     OpenSession,
     SamplingConfig,
+    SessionOpened,
     TopK,
     VerifyBlock,
     VerifyResult,
@@ -331,3 +334,55 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_verification(
             if line.startswith("asymspec_target_forward_calls_total{") and 'kind="prefill"' in line
         )
         assert forwards >= 10  # ~19 chunk forwards, some shared with the verify
+
+
+def test_a_feature_drafts_session_gets_the_targets_hidden_states(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """wants_features: SessionOpened carries h of every prompt position the target fed
+    (gathered over 16-token prefill chunks), each verdict h of its tail and accepted drafts:
+    the target's own last hidden states (after the final norm), rounded to bf16."""
+    port = free_port()
+    env = cloud_env(pair[0], port, shared_secret="s3cret-s3cret", prefill_chunk_tokens="16")
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    prompt = [(7 * i) % 250 + 5 for i in range(40)]
+    chain = list(prompt)
+    for _ in range(3):
+        chain.append(int(full_logits(model, chain)[-1].argmax()))
+    wrong = (chain[len(prompt) + 2] + 1) % 300
+    drafts = [*chain[len(prompt) : len(prompt) + 2], wrong]  # rejected at the third
+    with torch.inference_mode():
+        h = model.model(torch.tensor([[*chain[: len(prompt) + 2]]])).last_hidden_state[0]
+
+    async def body(channel: CloudChannel) -> tuple[SessionOpened, VerifyResult]:
+        tokens = np.asarray(prompt, dtype=np.uint32)
+        opened = await channel.open_session(
+            OpenSession(9, tokens, GREEDY, CorrectionKind.TOPK, 4, wants_features=True)
+        )
+        verdict = await channel.verify(block_msg(9, 1, len(prompt), drafts))
+        return opened, verdict
+
+    with running("cloud_verifier", port, env, tmp_path) as chunked:
+        opened, verdict = with_channel(chunked, body)
+    assert opened.features is not None and verdict.features is not None
+    assert verdict.n_accepted == 2
+    bf16 = h.to(torch.bfloat16).float()
+    torch.testing.assert_close(
+        features_from_wire(opened.features).float(), bf16[: len(prompt) - 1], atol=0.05, rtol=0.02
+    )
+    torch.testing.assert_close(  # positions len(prompt) - 1 .. len(prompt) + 1
+        features_from_wire(verdict.features).float(), bf16[len(prompt) - 1 :], atol=0.05, rtol=0.02
+    )
+
+
+def test_a_one_token_prompt_opens_with_no_feature_rows(cloud: Service) -> None:
+    """No prompt position was fed (the one token is the first block's tail): zero rows."""
+
+    async def body(channel: CloudChannel) -> SessionOpened:
+        one = np.asarray([7], dtype=np.uint32)
+        return await channel.open_session(
+            OpenSession(11, one, GREEDY, CorrectionKind.TOPK, 4, wants_features=True)
+        )
+
+    opened = with_channel(cloud, body)
+    assert opened.features is not None and opened.features.shape == (0, 64)

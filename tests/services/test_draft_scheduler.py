@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.draft import Draft, DraftModel, DraftRequest
-from asymspec.backends.loading import session_lm
+from asymspec.backends.hardware import resolve_precision
+from asymspec.backends.loading import load_session_lm, session_lm
 from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.scheduler import DraftScheduler
 from tests.backends.conftest import build_tiny_llama
+from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i) % 90 + 3 for i in range(81)]  # 80 tokens to prefill, the last pending
@@ -31,11 +35,16 @@ class RecordingDraft(DraftModel):
         self.calls: list[str] = []
         self.fail_on_chunk = fail_on_chunk
 
-    def prefill(self, session_id: str, token_ids: Sequence[int]) -> None:
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        prev_features: torch.Tensor | None = None,
+    ) -> None:
         self.calls.append(f"prefill {session_id} {len(token_ids)}")
         if self.fail_on_chunk == sum(c.startswith("prefill") for c in self.calls):
             raise RuntimeError("out of memory")
-        super().prefill(session_id, token_ids)
+        super().prefill(session_id, token_ids, prev_features)
 
     def propose(self, batch: Sequence[DraftRequest]) -> list[Draft]:
         self.calls.append("propose " + ",".join(r.session_id for r in batch))
@@ -70,6 +79,35 @@ def test_a_chunked_prefill_drafts_what_one_prefill_does() -> None:
     assert chunked == whole
     assert not any(c.startswith("prefill") for c in whole_calls)  # one open, as before
     assert [c for c in chunked_calls if c.startswith("prefill")] == ["prefill 1 16"] * 5
+
+
+def test_a_feature_drafts_chunks_read_their_slices_of_the_prompts_features(
+    tmp_path: Path,
+) -> None:
+    """Chunked or whole, a feature draft's prompt goes in with the same h_{s-1} per token,
+    so the first block's greedy draft (and its q) is the same."""
+    target, _ = save_tiny_pair(tmp_path / "pair")
+    folder = save_tiny_feature_draft(target, tmp_path / "feature-draft")
+    precision = resolve_precision("float32", "cpu")
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn((80, 64), generator=generator)  # h_{s-1} of x_0 .. x_79
+    pending_features = torch.randn((1, 64), generator=generator)  # h_79, for x_80
+
+    async def run(chunk_tokens: int) -> Draft:
+        lm, _ = load_session_lm(str(folder), "cpu", precision)
+        draft = DraftModel(lm)
+        assert draft.needs_features
+        scheduler = new_scheduler(draft, chunk_tokens)
+        scheduler.start()
+        await scheduler.open("1", PROMPT, features)
+        request = replace(greedy_block("1"), prev_features=pending_features)
+        block = await scheduler.propose(request)
+        await scheduler.stop()
+        return block
+
+    whole, chunked = asyncio.run(run(256)), asyncio.run(run(16))
+    assert [int(t) for t in chunked.tokens] == [int(t) for t in whole.tokens]
+    torch.testing.assert_close(chunked.rows, whole.rows, rtol=1e-4, atol=1e-5)
 
 
 def test_other_requests_draft_between_a_long_prompts_chunks() -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import httpx
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from asymspec.sampling import SamplingParams, transform
 from tests.backends.conftest import full_logits
 from tests.services.processes import Service, cloud_env, edge_env, free_port, running
-from tests.services.tiny_models import save_tiny_pair
+from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 SPECULATIVE = (
     "asymspec", "no-topk", "full-upload", "standard", "no-pipeline", "runahead", "pipeinfer",
@@ -42,6 +43,11 @@ VARIANTS = {
     # Blocks end after an unsure draft token; τ cuts some of the tiny draft's blocks, not all.
     "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
 }
+# Edges whose draft is a feature draft of the tiny target (fed the target's hidden states).
+FEATURE_VARIANTS = {
+    "feature-asymspec": "asymspec", "feature-runahead": "runahead",
+    "feature-pipeinfer": "pipeinfer",
+}  # fmt: skip
 PROMPT_IDS = [40, 41, 42, 43, 44, 45]
 
 
@@ -51,8 +57,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def feature_draft(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_feature_draft(pair[0], tmp_path_factory.mktemp("feature-draft"))
+
+
+@pytest.fixture(scope="module")
 def edges(
-    pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    pair: tuple[Path, Path], feature_draft: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("logs")
     with ExitStack() as stack:
@@ -64,6 +75,10 @@ def edges(
         for name, (mode, extra) in VARIANTS.items():
             port = free_port()
             env = edge_env(pair[1], port, cloud_port, mode, max_model_len="512", **extra)
+            services[name] = stack.enter_context(running("edge_gateway", port, env, logs))
+        for name, mode in FEATURE_VARIANTS.items():
+            port = free_port()
+            env = edge_env(feature_draft, port, cloud_port, mode, max_model_len="512")
             services[name] = stack.enter_context(running("edge_gateway", port, env, logs))
         yield services
 
@@ -97,7 +112,9 @@ def stream_chat(edge: Service, **body: object) -> tuple[str, dict | None, str | 
 # ---------------------------------------------------------------- greedy equivalence
 
 
-@pytest.mark.parametrize("mode", [*SPECULATIVE, "asymspec-adaptive", "asymspec-stop"])
+@pytest.mark.parametrize(
+    "mode", [*SPECULATIVE, "asymspec-adaptive", "asymspec-stop", *FEATURE_VARIANTS]
+)
 def test_greedy_completions_match_target_only(edges: dict[str, Service], mode: str) -> None:
     for prompt in ("def add(a, b):", "The quick brown", PROMPT_IDS):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -106,7 +123,7 @@ def test_greedy_completions_match_target_only(edges: dict[str, Service], mode: s
         assert got == expected
 
 
-@pytest.mark.parametrize("mode", SPECULATIVE)
+@pytest.mark.parametrize("mode", [*SPECULATIVE, *FEATURE_VARIANTS])
 def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode: str) -> None:
     messages = [{"role": "user", "content": "print the squares"}]
     body = {"messages": messages, "max_tokens": 20, "temperature": 0}
@@ -157,7 +174,17 @@ async def sample_first_tokens(edge: Service, n: int, top_k: int) -> Counter[tupl
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode", ["asymspec", "asymspec-stop", "no-topk", "full-upload", "runahead", "target-only"]
+    "mode",
+    [
+        "asymspec",
+        "asymspec-stop",
+        "no-topk",
+        "full-upload",
+        "runahead",
+        "target-only",
+        "feature-asymspec",
+        "feature-runahead",
+    ],
 )
 def test_first_three_tokens_follow_the_target(
     edges: dict[str, Service], pair: tuple[Path, Path], mode: str
@@ -278,6 +305,42 @@ def test_unsure_drafts_end_their_blocks_early(edges: dict[str, Service]) -> None
         drafted = metric_value(edges[name], "asymspec_spec_decode_num_draft_tokens_total") - drafted
         per_block[name] = drafted / blocks
     assert 1.0 < per_block["asymspec-stop"] < per_block["asymspec"] - 0.5
+
+
+def test_a_feature_draft_is_sent_features_and_drafts_from_them(
+    edges: dict[str, Service],
+) -> None:
+    """Whole blocks and rejections both happen: the draft opened on the prompt's features
+    and fed each verdict's (a draft without them would fail the request)."""
+    edge = edges["feature-asymspec"]
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    before = [metric_value(edge, f"asymspec_spec_decode_{n}_total") for n in names]
+    for seed in range(4):
+        body = {"prompt": f"item {seed}:", "max_tokens": 32, "temperature": 0.7, "seed": seed}
+        assert complete(edge, **body)["usage"]["completion_tokens"] > 0
+    blocks, drafted, accepted = (
+        metric_value(edge, f"asymspec_spec_decode_{n}_total") - b
+        for n, b in zip(names, before, strict=True)
+    )
+    assert blocks > 0 and 0 < accepted < drafted
+
+
+def test_draft_only_with_a_feature_draft_is_refused(feature_draft: Path, tmp_path: Path) -> None:
+    """draft-only has no target to send features: the edge says why it cannot serve."""
+    port = free_port()
+    env = edge_env(feature_draft, port, free_port(), "draft-only")
+    service = Service("edge_gateway", port, env, tmp_path / "edge.log")
+    try:
+        deadline = time.monotonic() + 120
+        reason = ""
+        while time.monotonic() < deadline and "feature draft" not in reason:
+            with suppress(httpx.HTTPError):
+                reason = httpx.get(f"{service.url}/health", timeout=2).json().get("reason", "")
+            time.sleep(0.2)
+        assert "needs a token draft" in reason
+        assert httpx.get(f"{service.url}/health").status_code == 503
+    finally:
+        service.stop()
 
 
 def test_concurrent_streams_report_correct_usage_and_metrics(edges: dict[str, Service]) -> None:

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from asymspec.backends.target import (
     PrefillChunk,
+    Round,
     ScoreRequest,
     StepRequest,
     TargetModel,
@@ -100,7 +100,7 @@ class PerRowCostTarget(RecordingTarget):
         prefills: Sequence[PrefillChunk],
         scores: Sequence[ScoreRequest],
         steps: Sequence[StepRequest],
-    ) -> tuple[list[torch.Tensor], list[int]]:
+    ) -> Round:
         cost_s = self.BASE_S + self.PER_ROW_S * fed_rows(prefills, scores, steps)
         started = time.perf_counter()
         out = super().round(prefills, scores, steps)

@@ -11,17 +11,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from asymspec.backends.feature_draft import save_fc
 from asymspec.backends.loading import session_lm
-from asymspec.backends.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
+from asymspec.backends.target import (
+    PrefillChunk,
+    Round,
+    ScoreRequest,
+    StepRequest,
+    TargetModel,
+)
 from asymspec.correction import Rung
 from asymspec.sampling import SamplingParams
 from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.sessions import Session
-from tests.backends.conftest import build_tiny_llama, noisy_copy
+from tests.backends.conftest import build_tiny_llama, feature_copy, noisy_copy
 
 TINY_VOCAB = 320
 CHAT_TEMPLATE = (
@@ -68,6 +74,16 @@ def save_tiny_pair(root: Path, draft_noise: float = 0.02) -> tuple[Path, Path]:
     return paths
 
 
+def save_tiny_feature_draft(target_dir: Path, out: Path) -> Path:
+    """``feature_copy`` of the saved tiny target as a feature draft folder (a one-layer
+    checkpoint with the target's tokenizer, and its fc)."""
+    draft, fc = feature_copy(AutoModelForCausalLM.from_pretrained(target_dir).eval())
+    draft.save_pretrained(out)
+    PreTrainedTokenizerFast.from_pretrained(target_dir).save_pretrained(out)
+    save_fc(out, fc)
+    return out
+
+
 def greedy_cloud_session(session_id: int) -> Session:
     """A greedy cloud verification session with a 3-token confirmed prefix, for tests that
     drive the cloud's batcher directly."""
@@ -92,7 +108,7 @@ class RecordingTarget(TargetModel):
         prefills: Sequence[PrefillChunk],
         scores: Sequence[ScoreRequest],
         steps: Sequence[StepRequest],
-    ) -> tuple[list[torch.Tensor], list[int]]:
+    ) -> Round:
         chunks = {c.session_id: len(c.token_ids) for c in prefills}  # "owner:session"
         self.rounds.append((chunks, len(scores) + len(steps)))
         return super().round(prefills, scores, steps)

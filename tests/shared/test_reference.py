@@ -22,7 +22,13 @@ from asymspec.backends.loading import session_lm
 from asymspec.backends.target import TargetModel
 from asymspec.reference import GenerationResult, speculative_generate, target_generate
 from asymspec.sampling import SamplingParams, transform
-from tests.backends.conftest import build_tiny_llama, full_logits, noisy_copy, one_torch_thread
+from tests.backends.conftest import (
+    build_tiny_llama,
+    feature_draft_lm,
+    full_logits,
+    noisy_copy,
+    one_torch_thread,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ([1, 2, 3, 4], [50], [7, 7, 7, 7, 7, 7, 7, 7, 30, 31, 32, 33])
@@ -80,6 +86,27 @@ def test_greedy_output_is_target_only_greedy(
         assert result.tokens == expected.tokens
         _assert_counters_add_up(result, len(prompt))
     assert target.lm.sessions() == 0 and draft.lm.sessions() == 0  # closed after use
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_a_feature_drafts_greedy_output_is_target_only_greedy(
+    target_model: LlamaForCausalLM, gamma: int
+) -> None:
+    """Fed the target's h as the verdicts come (the prompt's at open), the feature draft's
+    blocks accept some and reject some; the output is the target's greedy output."""
+    target, draft = (
+        TargetModel(session_lm(target_model)),
+        DraftModel(feature_draft_lm(target_model)),
+    )
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = target_generate(target, prompt, 24, GREEDY, seed=0)
+        result = speculative_generate(target, draft, prompt, 24, gamma, GREEDY, seed=0)
+        assert result.tokens == expected.tokens
+        _assert_counters_add_up(result, len(prompt))
+        accepted += result.stats.accepted_tokens
+    assert 0 < accepted < 3 * 24
+    assert target.lm.sessions() == 0 and draft.lm.sessions() == 0
 
 
 def test_near_draft_exercises_accept_recover_and_bonus(
@@ -167,14 +194,19 @@ def _exact_joint(model: LlamaForCausalLM, prompt: list[int], params: SamplingPar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("copy_weight", "stop_confidence"), [(0.0, 0.0), (0.6, 0.0), (0.0, 0.15)])
+@pytest.mark.parametrize(
+    ("copy_weight", "stop_confidence", "features"),
+    [(0.0, 0.0, False), (0.6, 0.0, False), (0.0, 0.15, False), (0.0, 0.0, True)],
+    ids=["plain", "copy", "stop", "feature-draft"],
+)
 def test_speculative_output_is_distributed_as_the_target(
-    copy_weight: float, stop_confidence: float
+    copy_weight: float, stop_confidence: float, features: bool
 ) -> None:
     target_model = build_tiny_llama(seed=10, hidden_size=32, vocab_size=STAT_VOCAB)
     draft_model = build_tiny_llama(seed=11, hidden_size=32, vocab_size=STAT_VOCAB)
     target = TargetModel(session_lm(target_model))
-    draft = DraftModel(session_lm(draft_model), copy_weight, stop_confidence)
+    lm = feature_draft_lm(target_model, 1.0) if features else session_lm(draft_model)
+    draft = DraftModel(lm, copy_weight, stop_confidence)
     # "1 2" occurred before, followed by 3: with copy_weight > 0 every draft step copies.
     params, prompt = SamplingParams(temperature=1.0), [1, 2, 3, 1, 2]
     counts: Counter[tuple[int, ...]] = Counter()

@@ -61,6 +61,13 @@ def f32(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
+# bf16 bit patterns of 5 positions x hidden 3 (NaN and -0.0 included: bits travel as they are)
+FEATURES = np.array(
+    [[0x3F80, 0xBF80, 0x8000], [0x7FC1, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 0xFFFF]],
+    dtype=np.uint16,
+)
+
+
 def raw_frame(*items: Any, version: int = PROTOCOL_VERSION) -> bytes:
     """A frame built by hand, bypassing encode's checks."""
     return msgpack.packb([version, *items], use_bin_type=True)
@@ -85,6 +92,9 @@ def sample_messages() -> list[Message]:
         OpenSession(5, u32(1), SAMPLING, CorrectionKind.PROPOSALS, 8),
         OpenSession(6, u32(1), SAMPLING, CorrectionKind.FULL, 0),
         SessionOpened(3, 4),
+        SessionOpened(3, 4, FEATURES[:3]),  # h of positions 0 .. 2 (the prompt's all but last)
+        SessionOpened(3, 1, FEATURES[:0]),  # a one-token prompt: no position fed
+        OpenSession(7, u32(1, 2), SAMPLING, wants_features=True),
         CloseSession(3),
         VerifyBlock(BLOCK, u32(10, 11, 12, 13), f32(0.9, 0.5, 1e-30, 1.0), u32()),
         VerifyBlock(BLOCK, u32(0), f32(0.25), u32(U32_MAX)),
@@ -94,6 +104,8 @@ def sample_messages() -> list[Message]:
         VerifyResult(BLOCK, 1, None, topk),  # rejected at 1: first top-K correction
         VerifyResult(BLOCK, 0, 17, None),  # rejected at 0: cloud-sampled recovered token
         VerifyResult(BLOCK, 2, None, Proposals(u32(3, 3), f32(0.5, 0.5))),  # exact mode
+        VerifyResult(BLOCK, 4, 42, None, FEATURES),  # tail + 4 accepted: 5 feature rows
+        VerifyResult(BLOCK, 1, None, topk, FEATURES[:2]),
         CorrectionRequest(BLOCK, CorrectionKind.TOPK, 32),
         CorrectionRequest(BLOCK, CorrectionKind.PROPOSALS, 4, rung=3),
         CorrectionRequest(BLOCK, CorrectionKind.FULL, 0),
@@ -336,9 +348,18 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
         ),
         (raw_frame(MessageType.VERIFY_BLOCK_FULL, GOOD_BLOCK, b"", b"\x00\x00", b""), "γ=0 rows"),
         (raw_frame(MessageType.VERIFY_BLOCK_FULL, GOOD_BLOCK, TOK4, b"", b""), "V = 0"),
-        (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 4, None, None), "neither outcome"),
+        (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 4, None, None, None), "neither outcome"),
         (
-            raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 1, 5, [1, TOK4, PROB4, b"\0" * 4]),
+            raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 1, 5, None, [3, b"\0" * 18]),
+            "3 feature rows for 1 accepted",
+        ),
+        (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 0, 5, None, [3, b"\0" * 5]), "odd bytes"),
+        (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 0, 5, None, [0, b""]), "hidden 0"),
+        (raw_frame(MessageType.SESSION_OPENED, 3, 4, [3, b"\0" * 6]), "1 row for 3 positions"),
+        (
+            raw_frame(
+                MessageType.VERIFY_RESULT, GOOD_BLOCK, 1, 5, [1, TOK4, PROB4, b"\0" * 4], None
+            ),
             "both outcomes",
         ),
         (
@@ -351,43 +372,56 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
         (raw_frame(MessageType.CORRECTION_REQUEST, GOOD_BLOCK, 1, 0, 1), "top-0"),
         (raw_frame(MessageType.CORRECTION_REQUEST, GOOD_BLOCK, 1, 8, 0), "rung 0"),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 50, 0.95], [1, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 50, 0.95], [1, 16], False),
             "short sampling",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [-1.0, 50, 0.95, 1], [1, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [-1.0, 50, 0.95, 1], [1, 16], False),
             "negative temp",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [float("nan"), 0, 1.0, 1], [1, 16]),
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, NO_PROMPT, [float("nan"), 0, 1.0, 1], [1, 16], False
+            ),
             "nan temp",
         ),
-        (raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.5, 1], [1, 16]), "top_p > 1"),
         (
-            raw_frame(MessageType.OPEN_SESSION, -1, NO_PROMPT, [0.7, 0, 1.0, 1], [1, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.5, 1], [1, 16], False),
+            "top_p > 1",
+        ),
+        (
+            raw_frame(MessageType.OPEN_SESSION, -1, NO_PROMPT, [0.7, 0, 1.0, 1], [1, 16], False),
             "negative sid",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [3, 16]),
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [3, 16], False),
             "full with size",
         ),
-        (raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [9, 16]), "bad kind"),
-        (raw_frame(MessageType.OPEN_SESSION, 1, TOK4, GOOD_SAMPLING, [1, 16]), "raw prompt"),
+        (
+            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [9, 16], False),
+            "bad kind",
+        ),
+        (raw_frame(MessageType.OPEN_SESSION, 1, TOK4, GOOD_SAMPLING, [1, 16], False), "raw prompt"),
         (
             raw_frame(
-                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4)[:-2], GOOD_SAMPLING, [1, 16]
+                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4)[:-2], GOOD_SAMPLING, [1, 16], False
             ),
             "truncated prompt",
         ),
         (
             raw_frame(
-                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4) + b"x", GOOD_SAMPLING, [1, 16]
+                MessageType.OPEN_SESSION,
+                1,
+                zlib.compress(TOK4) + b"x",
+                GOOD_SAMPLING,
+                [1, 16],
+                False,
             ),
             "bytes after the prompt",
         ),
         (
             raw_frame(
-                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4[:-1]), GOOD_SAMPLING, [1, 16]
+                MessageType.OPEN_SESSION, 1, zlib.compress(TOK4[:-1]), GOOD_SAMPLING, [1, 16], False
             ),
             "prompt not a multiple of 4",
         ),
@@ -404,11 +438,11 @@ def test_compressed_prompt_is_capped_against_zip_bombs() -> None:
     # without inflating more than the cap allows.
     bomb = zlib.compress(bytes(4 * (MAX_PROMPT_TOKENS + 1)), 9)
     assert len(bomb) < 8192
-    frame = raw_frame(MessageType.OPEN_SESSION, 1, bomb, GOOD_SAMPLING, [1, 16])
+    frame = raw_frame(MessageType.OPEN_SESSION, 1, bomb, GOOD_SAMPLING, [1, 16], False)
     err = assert_wire_error(frame, ErrorCode.MALFORMED)
     assert str(MAX_PROMPT_TOKENS) in err.message
     at_cap = zlib.compress(bytes(4 * MAX_PROMPT_TOKENS), 9)
-    msg = decode(raw_frame(MessageType.OPEN_SESSION, 1, at_cap, GOOD_SAMPLING, [1, 16]))
+    msg = decode(raw_frame(MessageType.OPEN_SESSION, 1, at_cap, GOOD_SAMPLING, [1, 16], False))
     assert isinstance(msg, OpenSession) and len(msg.prompt_tokens) == MAX_PROMPT_TOKENS
 
 

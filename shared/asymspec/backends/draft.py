@@ -36,6 +36,7 @@ import numpy.typing as npt
 import torch
 
 from asymspec.backends.engine import SessionLM, draw_uniform
+from asymspec.backends.feature_draft import FeatureLM
 from asymspec.sampling import SamplingParams, draft_rows_from_half, sample_rows, transform_rows
 
 
@@ -54,6 +55,10 @@ class DraftRequest:
     # request's turn on the model thread instead of queueing behind other requests'
     # drafting as a call of its own. None: the cache is kept as it is.
     rollback_to: int | None = None
+    # A feature draft's inputs beside pending_tokens: for each x_s, the target's h_{s-1}
+    # [len(pending_tokens), hidden] (``FeatureLog.before``). None for a token draft, and
+    # for a feature draft's runahead (it goes on from its own ĥ).
+    prev_features: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class DraftModel:
     """Owns the draft LM's per-session caches; one batched forward per draft step."""
 
     def __init__(
-        self, lm: SessionLM, copy_weight: float = 0.0, stop_confidence: float = 0.0
+        self, lm: SessionLM | FeatureLM, copy_weight: float = 0.0, stop_confidence: float = 0.0
     ) -> None:
         if not 0.0 <= copy_weight < 1.0:
             raise ValueError(f"copy_weight must be in [0, 1), got {copy_weight}")
@@ -120,20 +125,57 @@ class DraftModel:
         self.copy_weight = copy_weight  # λ; 0 = the model's own q
         self.stop_confidence = stop_confidence  # τ; 0 = every block drafts its full γ
 
-    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
-        """Prefill all but the last prompt token, which stays pending for the first block."""
+    @property
+    def needs_features(self) -> bool:
+        """A feature draft: every token fed needs the target's h of the position before it,
+        so the cloud sends them, the draft opens once the prompt's have come, and after a
+        verdict the accepted drafts are fed again with the target's h in place of the
+        draft's own guesses (``asymspec.backends.feature_draft``)."""
+        return isinstance(self.lm, FeatureLM)
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the target features a feature draft reads (0 for a token draft)."""
+        return self.lm.hidden_size if isinstance(self.lm, FeatureLM) else 0
+
+    def open(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        prev_features: torch.Tensor | None = None,
+    ) -> None:
+        """Prefill all but the last prompt token, which stays pending for the first block.
+        A feature draft needs their ``prev_features`` [len(prompt) - 1, hidden]."""
         if not prompt_ids:
             raise ValueError("a prompt needs at least one token")
-        self.lm.open(session_id, prompt_ids[:-1])
+        if isinstance(self.lm, FeatureLM):
+            self.lm.open(session_id, prompt_ids[:-1], prev_features)
+        else:
+            self.lm.open(session_id, prompt_ids[:-1])
 
     def start(self, session_id: str) -> None:
         """Open an empty session, for a prompt fed in chunks (`prefill`)."""
         self.lm.open(session_id, [])
 
-    def prefill(self, session_id: str, token_ids: Sequence[int]) -> None:
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        prev_features: torch.Tensor | None = None,
+    ) -> None:
         """Feed prompt tokens into a started session's cache (no logits: none are needed).
         Together the chunks are all of the prompt but its last token, as `open` feeds."""
-        self.lm.forward_new([(session_id, token_ids)], keep_rows=[0])
+        self._forward([(session_id, token_ids)], [0], [prev_features])
+
+    def _forward(
+        self,
+        batch: Sequence[tuple[str, Sequence[int]]],
+        keep_rows: Sequence[int],
+        prev_features: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        if isinstance(self.lm, FeatureLM):
+            return self.lm.forward_new(batch, keep_rows, prev_features)
+        return self.lm.forward_new(batch, keep_rows=keep_rows)
 
     def close(self, session_id: str) -> None:
         self.lm.close(session_id)
@@ -162,10 +204,13 @@ class DraftModel:
             if not active:  # every block ended early
                 break
             inputs = [batch[i].pending_tokens if step == 0 else [tokens[i][-1]] for i in active]
+            # after the first step a feature draft reads its own ĥ (None: the session's last)
+            features = [batch[i].prev_features if step == 0 else None for i in active]
             logits = torch.cat(
-                self.lm.forward_new(
+                self._forward(
                     [(batch[i].session_id, ids) for i, ids in zip(active, inputs, strict=True)],
-                    keep_rows=[1] * len(active),
+                    [1] * len(active),
+                    features,
                 )
             )
             # One transform and one sampling pass for the whole step (a Python loop over

@@ -15,10 +15,14 @@ from asymspec.backends.store_settings import ModelStoreSettings
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DRAFT = "embedded:smollm2-draft"
+# EAGLE-style: one layer fed the target's hidden states (asymspec.backends.feature_draft)
+EMBEDDED_FEATURE_DRAFT = "embedded:smollm2-feature-draft"
+EMBEDDED_MODELS = (EMBEDDED_TARGET, EMBEDDED_DRAFT, EMBEDDED_FEATURE_DRAFT)
 
 # shared/asymspec/backends/embedded.py -> the repository root is three folders up.
 REPO_ROOT = Path(__file__).resolve().parents[3]
 COMMITTED_DRAFT_DIR = REPO_ROOT / "models" / "smollm2-draft"
+COMMITTED_FEATURE_DRAFT_DIR = REPO_ROOT / "models" / "smollm2-feature-draft"
 
 
 class ModelNotPrepared(RuntimeError):
@@ -36,10 +40,8 @@ def is_embedded(name: str) -> bool:
 
 def embedded_path(name: str) -> Path:
     """The prepared checkpoint folder of an embedded model; raises if it is not there."""
-    if name not in (EMBEDDED_TARGET, EMBEDDED_DRAFT):
-        raise ValueError(
-            f"unknown embedded model {name!r}; known: {EMBEDDED_TARGET}, {EMBEDDED_DRAFT}"
-        )
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
     path = model_cache_dir() / name.removeprefix("embedded:")
     if not (path / "config.json").is_file():
         raise ModelNotPrepared(

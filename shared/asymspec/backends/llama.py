@@ -281,31 +281,52 @@ class LlamaEngine(SessionTable[_Session]):
         Returns per item the float32 logits [keep_rows[b], V]; the last row predicts the
         token after the item's last new token.
         """
+        counts = [len(new_ids) for _, new_ids in batch]
+        keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
+        return self.forward_features(batch, keeps, [0] * len(batch))[0]
+
+    def forward_features(
+        self,
+        batch: Sequence[NewTokens],
+        keep_rows: Sequence[int],
+        feature_rows: Sequence[int],
+        inputs: torch.Tensor | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward_new``, also returning each item's last ``feature_rows[b]`` hidden states
+        after the final norm (what the LM head reads: a feature draft's input, see
+        ``asymspec.backends.feature_draft``), in the model's dtype, [feature_rows[b], hidden].
+
+        ``inputs`` [T, hidden]: the input vectors of the new tokens, all items' laid end to
+        end, instead of the embedding rows of their ids (a feature draft's fused inputs).
+        """
         if not batch:
-            return []
+            return [], []
         if len({session_id for session_id, _ in batch}) != len(batch):
             raise ValueError("a session appears twice in one batch")
         counts = [len(new_ids) for _, new_ids in batch]
-        keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
+        keeps = [int(k) for k in keep_rows]
+        features = [int(k) for k in feature_rows]
         sessions = [self._session(session_id) for session_id, _ in batch]
-        for (session_id, _), session, n_new, keep in zip(
-            batch, sessions, counts, keeps, strict=True
+        for (session_id, _), session, n_new, keep, feature in zip(
+            batch, sessions, counts, keeps, features, strict=True
         ):
             if n_new == 0:
                 raise ValueError(f"session {session_id!r}: no new tokens to forward")
-            if not 0 <= keep <= n_new:
+            if not (0 <= keep <= n_new and 0 <= feature <= n_new):
                 raise ValueError(f"session {session_id!r}: keep {keep} of {n_new} rows")
             if session.length + n_new > self.max_positions:
                 raise ValueError(
                     f"session {session_id!r}: {session.length + n_new} positions exceed "
                     f"the model's {self.max_positions}"
                 )
+        if inputs is not None and tuple(inputs.shape) != (sum(counts), self.embed.shape[1]):
+            raise ValueError(f"inputs {tuple(inputs.shape)}: need [{sum(counts)}, hidden]")
         with torch.inference_mode():
-            logits = self._forward(batch, sessions, counts, keeps)
+            out = self._forward(batch, sessions, counts, keeps, features, inputs)
         for session, (_, new_ids) in zip(sessions, batch, strict=True):
             session.token_ids.extend(int(t) for t in new_ids)
         self.forward_calls += 1
-        return logits
+        return out
 
     def _forward(
         self,
@@ -313,7 +334,9 @@ class LlamaEngine(SessionTable[_Session]):
         sessions: list[_Session],
         counts: list[int],
         keeps: list[int],
-    ) -> list[torch.Tensor]:
+        features: list[int],
+        inputs: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -336,7 +359,10 @@ class LlamaEngine(SessionTable[_Session]):
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_scale, gqa = self.scaling, h_q != h_kv
 
-        x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
+        if inputs is None:
+            x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
+        else:
+            x = inputs.to(device=device, dtype=self.dtype)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))  # [T, (H + 2 H_kv) D]
             qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
@@ -370,20 +396,33 @@ class LlamaEngine(SessionTable[_Session]):
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
 
+        # Per item the last max(keep, feature) rows go through the final norm once; the
+        # logits come from its last `keep` and the features are its last `feature`.
         ends = list(itertools.accumulate(counts))
-        rows = [r for end, keep in zip(ends, keeps, strict=True) for r in range(end - keep, end)]
+        spans = [max(k, f) for k, f in zip(keeps, features, strict=True)]
+        rows = [r for end, span in zip(ends, spans, strict=True) for r in range(end - span, end)]
         if not rows:
-            empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
-            return [empty for _ in batch]
+            no_logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+            no_features = x.new_empty((0, x.shape[1]))
+            return [no_logits for _ in batch], [no_features for _ in batch]
         hidden = self._rms_norm(x[torch.tensor(rows, device=device)], self.final_norm)
+        per_item = hidden.split(spans)
+        feature_out = [h[h.shape[0] - f :] for h, f in zip(per_item, features, strict=True)]
+        if not any(keeps):
+            no_logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+            return [no_logits for _ in batch], feature_out
+        scored = torch.cat([h[h.shape[0] - k :] for h, k in zip(per_item, keeps, strict=True)])
         if self.head_ids is None:
-            logits = self.head(hidden).float()  # [sum(keeps), V]
+            logits = self.head(scored).float()  # [sum(keeps), V]
         else:  # a restricted head: -inf (probability 0) outside its tokens
             logits = torch.full(
-                (len(rows), self.vocab_size), float("-inf"), dtype=torch.float32, device=device
+                (scored.shape[0], self.vocab_size),
+                float("-inf"),
+                dtype=torch.float32,
+                device=device,
             )
-            logits.index_copy_(1, self.head_ids, self.head(hidden).float())
-        return list(logits.split(keeps))
+            logits.index_copy_(1, self.head_ids, self.head(scored).float())
+        return list(logits.split(keeps)), feature_out
 
     @torch.inference_mode()
     def restrict_head(self, token_ids: Sequence[int]) -> None:

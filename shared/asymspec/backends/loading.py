@@ -17,6 +17,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asymspec.backends.embedded import embedded_path, is_embedded
 from asymspec.backends.engine import CachedLM, SessionLM
+from asymspec.backends.feature_draft import FeatureLM, is_feature_draft, load_fc
 from asymspec.backends.hardware import Precision, pick_device, resolve_dtype, resolve_precision
 from asymspec.backends.head_vocab import read_head_vocab
 from asymspec.backends.llama import LlamaEngine, unsupported_reason
@@ -68,13 +69,15 @@ def session_lm(
     return CachedLM(model, pad_token_id=pad_token_id)
 
 
-def restrict_draft_head(lm: SessionLM, name_or_path: str) -> bool:
+def restrict_draft_head(lm: SessionLM | FeatureLM, name_or_path: str) -> bool:
     """Restrict a draft's LM head to the tokens its folder's head_vocab.json lists (q = 0
     elsewhere, which is exact); False when there is no such file or the engine cannot."""
     folder = Path(resolve_model(name_or_path))
     head = read_head_vocab(folder) if folder.is_dir() else None
     if head is None:
         return False
+    if isinstance(lm, FeatureLM):
+        lm = lm.engine
     if not isinstance(lm, LlamaEngine):
         log.warning("%s: head_vocab.json needs the LlamaEngine; whole head kept", name_or_path)
         return False
@@ -84,11 +87,19 @@ def restrict_draft_head(lm: SessionLM, name_or_path: str) -> bool:
 
 def load_session_lm(
     name_or_path: str, device: str | None = None, precision: Precision | None = None
-) -> tuple[SessionLM, PreTrainedTokenizerBase]:
+) -> tuple[SessionLM | FeatureLM, PreTrainedTokenizerBase]:
     """``load_causal_lm`` wrapped in its engine (``session_lm``); ``precision`` defaults to
-    the device's ``auto``."""
+    the device's ``auto``. A feature draft's folder (``feature_fc.safetensors`` beside a
+    one-layer Llama) gives a ``FeatureLM``."""
     device = device or pick_device()
     precision = precision or resolve_precision("auto", device)
     model, tokenizer = load_causal_lm(name_or_path, device, precision.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return session_lm(model, int(pad), precision.fp16_weights), tokenizer
+    lm = session_lm(model, int(pad), precision.fp16_weights)
+    folder = Path(resolve_model(name_or_path))
+    if folder.is_dir() and is_feature_draft(folder):
+        if not isinstance(lm, LlamaEngine):
+            raise ValueError(f"{name_or_path}: a feature draft must be a Llama-family layer")
+        log.info("%s is a feature draft: it drafts from the target's hidden states", name_or_path)
+        return FeatureLM(lm, load_fc(folder).to(device)), tokenizer
+    return lm, tokenizer

@@ -10,7 +10,10 @@
 2. **draft**: assembles the committed draft (``models/smollm2-draft/``: config and bf16
    weights) into a float32 checkpoint and copies the target's tokenizer next to it, so the
    pair shares one tokenizer by construction.
-3. checks that both load with ``AutoModelForCausalLM`` and that their vocabularies match.
+3. **feature draft**, when ``models/smollm2-feature-draft/`` is committed: its one bf16
+   layer and fc plus the target's embedding (tied as its head: the committed folder leaves
+   it out) as a float32 checkpoint with the target's tokenizer.
+4. checks that both load with ``AutoModelForCausalLM`` and that their vocabularies match.
 
 Each checkpoint is written to a temporary folder and renamed into place, so an interrupted
 run never leaves a half checkpoint. A stamp file records the preparation version and a
@@ -35,10 +38,13 @@ from pathlib import Path
 
 from asymspec.backends.embedded import (
     COMMITTED_DRAFT_DIR,
+    COMMITTED_FEATURE_DRAFT_DIR,
     EMBEDDED_DRAFT,
+    EMBEDDED_FEATURE_DRAFT,
     EMBEDDED_TARGET,
     model_cache_dir,
 )
+from asymspec.backends.feature_draft import FEATURE_FC_FILE
 from asymspec.backends.head_vocab import HEAD_VOCAB_FILE
 
 # Bump when the conversion itself changes, so that existing caches are rebuilt.
@@ -64,6 +70,10 @@ def target_dir() -> Path:
 
 def draft_dir() -> Path:
     return model_cache_dir() / EMBEDDED_DRAFT.removeprefix("embedded:")
+
+
+def feature_draft_dir() -> Path:
+    return model_cache_dir() / EMBEDDED_FEATURE_DRAFT.removeprefix("embedded:")
 
 
 def gguf_path() -> Path:
@@ -162,7 +172,8 @@ def convert_target(gguf: Path, out: Path) -> None:
 
 
 def assemble_draft(source: Path, target: Path, out: Path) -> None:
-    """The committed bf16 draft as a float32 checkpoint, with the target's tokenizer files."""
+    """The committed bf16 draft as a float32 checkpoint, with the target's tokenizer files.
+    A feature draft (its fc beside it) gets the target's embedding, which it shares."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -170,6 +181,10 @@ def assemble_draft(source: Path, target: Path, out: Path) -> None:
     config["dtype"] = "float32"  # the cache holds float32, like the target
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = load_file(source / DRAFT_WEIGHTS)
+    if (source / FEATURE_FC_FILE).is_file():
+        embed = "model.embed_tokens.weight"
+        weights[embed] = load_file(target / DRAFT_WEIGHTS)[embed]
+        shutil.copy2(source / FEATURE_FC_FILE, out / FEATURE_FC_FILE)
     save_file(
         {name: tensor.to(torch.float32).contiguous() for name, tensor in weights.items()},
         out / DRAFT_WEIGHTS,
@@ -249,9 +264,25 @@ def prepare(force: bool = False, verify: bool = False, log: Callable[[str], None
             )
             log(f"draft ready at {draft_dir()}")
             built = True
+        if COMMITTED_FEATURE_DRAFT_DIR.is_dir():
+            sources = committed_draft_files(COMMITTED_FEATURE_DRAFT_DIR)
+            sources.append(COMMITTED_FEATURE_DRAFT_DIR / FEATURE_FC_FILE)
+            sha = hashlib.sha256((fingerprint(sources) + target_sha).encode()).hexdigest()
+            if force or built or not is_current(feature_draft_dir(), sha):
+                stamp = {"version": PREPARE_VERSION, "source_sha256": sha}
+                write_atomically(
+                    feature_draft_dir(),
+                    lambda out: assemble_draft(COMMITTED_FEATURE_DRAFT_DIR, target_dir(), out),
+                    stamp,
+                )
+                log(f"feature draft ready at {feature_draft_dir()}")
+                built = True
         if built or verify:
             facts = verify_pair(target_dir(), draft_dir())
             log(f"verified: both load, shared tokenizer ({facts})")
+            if COMMITTED_FEATURE_DRAFT_DIR.is_dir():
+                facts = verify_pair(target_dir(), feature_draft_dir())
+                log(f"verified: the feature draft loads, shared tokenizer ({facts})")
         else:
             log(f"models already prepared in {model_cache_dir()}")
         return built

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from asymspec.backends.engine import SessionLM, draw_uniform
+from asymspec.backends.llama import LlamaEngine
 from asymspec.sampling import SamplingParams, sample_rows, transform_rows
 
 
@@ -24,6 +25,7 @@ class ScoreRequest:
     session_id: str
     new_tokens: Sequence[int]  # committed tail (>= 1 token) + the γ draft tokens
     num_draft_tokens: int  # γ: how many of new_tokens are drafts (the rest is the tail)
+    wants_features: bool = False  # also h of the γ+1 scored rows (a feature draft's input)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,19 @@ class PrefillChunk:
 
     session_id: str
     token_ids: Sequence[int]
+    wants_features: bool = False  # h of every chunk position (a feature draft's input)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one forward gave: per ScoreRequest the logits [γ+1, V] of p_1 .. p_{γ+1} (and
+    its rows' h, [γ+1, hidden], where asked), per StepRequest a sampled token, per
+    PrefillChunk its positions' h where asked ([len(chunk), hidden]; else None)."""
+
+    score_logits: list[torch.Tensor]
+    tokens: list[int]
+    score_features: list[torch.Tensor | None]
+    prefill_features: list[torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,16 @@ class TargetModel:
     def vocab_size(self) -> int:
         return self.lm.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        """The width of the features it provides (0 for an engine that provides none)."""
+        return int(self.lm.embed.shape[1]) if isinstance(self.lm, LlamaEngine) else 0
+
+    @property
+    def provides_features(self) -> bool:
+        """Whether its engine returns hidden states (``LlamaEngine``; not ``CachedLM``)."""
+        return isinstance(self.lm, LlamaEngine)
+
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         """Prefill all but the last prompt token, which is the first block's tail."""
         if not prompt_ids:
@@ -85,7 +110,7 @@ class TargetModel:
 
     def score(self, batch: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """Per request the float32 logits [γ+1, V] of p_1 .. p_{γ+1}, in one forward."""
-        return self.round([], batch, [])[0]
+        return self.round([], batch, []).score_logits
 
     def commit(self, session_id: str, kept_len: int) -> None:
         """Keep the first ``kept_len`` cached tokens (tail + accepted drafts); drop the rest."""
@@ -97,19 +122,16 @@ class TargetModel:
 
     def generate_step(self, batch: Sequence[StepRequest]) -> list[int]:
         """Target-only decoding: one batched forward, one sampled token per request."""
-        return self.round([], [], batch)[1]
+        return self.round([], [], batch).tokens
 
     def round(
         self,
         prefills: Sequence[PrefillChunk],
         scores: Sequence[ScoreRequest],
         steps: Sequence[StepRequest],
-    ) -> tuple[list[torch.Tensor], list[int]]:
+    ) -> Round:
         """Prefill chunks, verify blocks and decode steps in **one** forward (Sarathi-style
-        chunked prefill: a long prompt shares forwards instead of stalling everyone).
-
-        Returns the score logits [γ+1, V] per ScoreRequest and a sampled token per step.
-        """
+        chunked prefill: a long prompt shares forwards instead of stalling everyone)."""
         for request in scores:
             if not 0 <= request.num_draft_tokens < len(request.new_tokens):
                 raise ValueError(f"{request.session_id!r}: need a tail of >= 1 token before γ")
@@ -121,11 +143,26 @@ class TargetModel:
         keep = [0] * len(prefills)  # a prefill chunk's rows are never needed
         keep += [r.num_draft_tokens + 1 for r in scores]  # the tail's earlier rows: unused
         keep += [1] * len(steps)
-        logits = self.lm.forward_new(batch, keep_rows=keep)
-        score_rows = logits[len(prefills) : len(prefills) + len(scores)]
-        step_rows = logits[len(prefills) + len(scores) :]
-        if not steps:
-            return score_rows, []
-        probs = transform_rows(torch.cat(step_rows), [r.params for r in steps])  # [B, V]
-        tokens = sample_rows(probs, [draw_uniform(r.generator) for r in steps])
-        return score_rows, tokens
+        wanted = [len(c.token_ids) if c.wants_features else 0 for c in prefills]
+        wanted += [r.num_draft_tokens + 1 if r.wants_features else 0 for r in scores]
+        wanted += [0] * len(steps)
+        features: list[torch.Tensor | None] = [None] * len(batch)
+        if any(wanted):
+            if not isinstance(self.lm, LlamaEngine):
+                raise ValueError(f"{type(self.lm).__name__} returns no hidden states")
+            logits, hidden = self.lm.forward_features(batch, keep, wanted)
+            features = [h if n else None for h, n in zip(hidden, wanted, strict=True)]
+        else:
+            logits = self.lm.forward_new(batch, keep_rows=keep)
+        n_pre, n_score = len(prefills), len(scores)
+        tokens: list[int] = []
+        if steps:
+            step_rows = logits[n_pre + n_score :]
+            probs = transform_rows(torch.cat(step_rows), [r.params for r in steps])  # [B, V]
+            tokens = sample_rows(probs, [draw_uniform(r.generator) for r in steps])
+        return Round(
+            score_logits=logits[n_pre : n_pre + n_score],
+            tokens=tokens,
+            score_features=features[n_pre : n_pre + n_score],
+            prefill_features=features[:n_pre],
+        )
