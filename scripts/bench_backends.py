@@ -37,13 +37,20 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
 from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.backends.engine import SessionLM
+from asymspec.backends.feature_draft import FeatureLM, is_feature_draft, load_fc
 from asymspec.backends.hardware import (
     Precision,
     machine_facts,
     pick_device,
     resolve_precision,
 )
-from asymspec.backends.loading import load_causal_lm, restrict_draft_head, session_lm
+from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.loading import (
+    load_causal_lm,
+    resolve_model,
+    restrict_draft_head,
+    session_lm,
+)
 from asymspec.backends.target import TargetModel
 from asymspec.instructions import instructions
 from asymspec.prompts import Message, humaneval_prompts, render_prompt
@@ -57,7 +64,7 @@ DECODE_RATIO_WANTED = 0.25  # (c): draft step / target step
 @dataclass
 class Pair:
     target: SessionLM
-    draft: SessionLM
+    draft: SessionLM | FeatureLM
     target_model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     precision: Precision
@@ -133,7 +140,12 @@ def load_pair(args: argparse.Namespace) -> Pair:
     if target_model.config.vocab_size != draft_model.config.vocab_size:
         raise SystemExit("the draft and the target must share one vocabulary")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    draft = session_lm(draft_model, pad, precision.fp16_weights)
+    draft: SessionLM | FeatureLM = session_lm(draft_model, pad, precision.fp16_weights)
+    folder = Path(resolve_model(args.draft))
+    if folder.is_dir() and is_feature_draft(folder):  # fed the target's h (reference.py)
+        if not isinstance(draft, LlamaEngine):
+            raise SystemExit("a feature draft runs on the LlamaEngine")
+        draft = FeatureLM(draft, load_fc(folder).to(draft.dtype))
     if args.head_vocab:
         restrict_draft_head(draft, args.draft)
     return Pair(
@@ -209,12 +221,19 @@ def bench_batched_scoring(pair: Pair, context: list[int], gamma: int) -> dict[st
 # ---------------------------------------------------------------- (b) verify cost vs prefix
 
 
-def rolled_back_forward(lm: SessionLM, batch: list[tuple[str, list[int]]]) -> Callable[[], None]:
-    """A forward of ``batch`` that then truncates every session back, so it can repeat."""
+def rolled_back_forward(
+    lm: SessionLM | FeatureLM, batch: list[tuple[str, list[int]]]
+) -> Callable[[], None]:
+    """A forward of ``batch`` that then truncates every session back, so it can repeat. A
+    feature draft is fed zero features: the cost is the same, whatever their values."""
     lengths = {session_id: lm.length(session_id) for session_id, _ in batch}
 
     def run() -> None:
-        lm.forward_new(batch)
+        if isinstance(lm, FeatureLM):
+            zeros = [torch.zeros((len(ids), lm.hidden_size), dtype=lm.dtype) for _, ids in batch]
+            lm.forward_new(batch, None, zeros)
+        else:
+            lm.forward_new(batch)
         for session_id, length in lengths.items():
             lm.truncate(session_id, length)
 
@@ -245,13 +264,17 @@ def bench_verify_cost(pair: Pair, context: list[int], gamma: int, repeats: int) 
 
 
 def open_step_sessions(
-    lm: SessionLM, prompts: Sequence[list[int]], batch: int
+    lm: SessionLM | FeatureLM, prompts: Sequence[list[int]], batch: int
 ) -> Callable[[], None]:
     """``batch`` sessions with ~100-token prefixes; returns one batched one-token step."""
     requests = []
     for i in range(batch):
         prefix = (prompts[i % len(prompts)] * 4)[:100]
-        lm.open(f"step{batch}-{i}", prefix[:-1])
+        if isinstance(lm, FeatureLM):
+            zeros = torch.zeros((len(prefix) - 1, lm.hidden_size), dtype=lm.dtype)
+            lm.open(f"step{batch}-{i}", prefix[:-1], zeros)
+        else:
+            lm.open(f"step{batch}-{i}", prefix[:-1])
         requests.append((f"step{batch}-{i}", prefix[-1:]))
     return rolled_back_forward(lm, requests)
 

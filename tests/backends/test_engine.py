@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from asymspec.backends import embedded
 from asymspec.backends.embedded import EMBEDDED_DRAFT, ModelNotPrepared
 from asymspec.backends.engine import CachedLM, SessionLM
 from asymspec.backends.hardware import (
@@ -283,6 +284,15 @@ def test_embedded_names_resolve_in_the_model_cache(
     _save_checkpoint(tmp_path / "smollm2-draft")
     model, _ = load_causal_lm(EMBEDDED_DRAFT, device="cpu")
     assert model.config.vocab_size == TINY_VOCAB
+
+
+def test_an_uncommitted_feature_draft_names_its_training_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYMSPEC_MODEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "COMMITTED_FEATURE_DRAFT_DIR", tmp_path / "not-committed")
+    with pytest.raises(ModelNotPrepared, match=r"train_feature_draft\.py"):
+        load_causal_lm(embedded.EMBEDDED_FEATURE_DRAFT, device="cpu")
 
 
 def test_hub_ids_stay_offline_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,11 @@ def embedded_path(name: str) -> Path:
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
     path = model_cache_dir() / name.removeprefix("embedded:")
+    if name == EMBEDDED_FEATURE_DRAFT and not COMMITTED_FEATURE_DRAFT_DIR.is_dir():
+        raise ModelNotPrepared(
+            f"{name} is not in this checkout ({COMMITTED_FEATURE_DRAFT_DIR} is missing): train "
+            "and export it with scripts/train_feature_draft.py, then `make models`"
+        )
     if not (path / "config.json").is_file():
         raise ModelNotPrepared(
             f"the embedded model {name} is not prepared at {path}; run `make models` "
