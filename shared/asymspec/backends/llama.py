@@ -411,7 +411,10 @@ class LlamaEngine(SessionTable[_Session]):
         if not any(keeps):
             no_logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
             return [no_logits for _ in batch], feature_out
-        scored = torch.cat([h[h.shape[0] - k :] for h, k in zip(per_item, keeps, strict=True)])
+        if spans == keeps:  # no item wants more feature rows than logits (decode, verify)
+            scored = hidden
+        else:
+            scored = torch.cat([h[h.shape[0] - k :] for h, k in zip(per_item, keeps, strict=True)])
         if self.head_ids is None:
             logits = self.head(scored).float()  # [sum(keeps), V]
         else:  # a restricted head: -inf (probability 0) outside its tokens

@@ -246,37 +246,35 @@ def _prepare_target(gguf: Path, target_sha: str, force: bool, log: Callable[[str
     return True
 
 
+def _prepare_draft(
+    source: Path, out: Path, target_sha: str, force: bool, log: Callable[[str], None]
+) -> bool:
+    """Assemble a committed draft folder into the cache unless it is current; True if built.
+    The folder depends on the target too: it carries the target's tokenizer (and a feature
+    draft its embedding)."""
+    sources = committed_draft_files(source)
+    if (source / FEATURE_FC_FILE).is_file():
+        sources.append(source / FEATURE_FC_FILE)
+    sha = hashlib.sha256((fingerprint(sources) + target_sha).encode()).hexdigest()
+    if not force and is_current(out, sha):
+        return False
+    stamp = {"version": PREPARE_VERSION, "source_sha256": sha}
+    write_atomically(out, lambda folder: assemble_draft(source, target_dir(), folder), stamp)
+    log(f"{source.name} ready at {out}")
+    return True
+
+
 def prepare(force: bool = False, verify: bool = False, log: Callable[[str], None] = print) -> bool:
     """Prepare both models; returns True when anything was (re)built."""
     gguf = gguf_path()
     with cache_lock(model_cache_dir()):
         target_sha = fingerprint([gguf])
         built = _prepare_target(gguf, target_sha, force, log)
-        # The draft folder depends on the target too: it carries the target's tokenizer.
-        draft_sources = committed_draft_files()
-        draft_sha = hashlib.sha256((fingerprint(draft_sources) + target_sha).encode()).hexdigest()
-        if force or built or not is_current(draft_dir(), draft_sha):
-            stamp = {"version": PREPARE_VERSION, "source_sha256": draft_sha}
-            write_atomically(
-                draft_dir(),
-                lambda out: assemble_draft(COMMITTED_DRAFT_DIR, target_dir(), out),
-                stamp,
-            )
-            log(f"draft ready at {draft_dir()}")
-            built = True
+        built |= _prepare_draft(COMMITTED_DRAFT_DIR, draft_dir(), target_sha, force or built, log)
         if COMMITTED_FEATURE_DRAFT_DIR.is_dir():
-            sources = committed_draft_files(COMMITTED_FEATURE_DRAFT_DIR)
-            sources.append(COMMITTED_FEATURE_DRAFT_DIR / FEATURE_FC_FILE)
-            sha = hashlib.sha256((fingerprint(sources) + target_sha).encode()).hexdigest()
-            if force or built or not is_current(feature_draft_dir(), sha):
-                stamp = {"version": PREPARE_VERSION, "source_sha256": sha}
-                write_atomically(
-                    feature_draft_dir(),
-                    lambda out: assemble_draft(COMMITTED_FEATURE_DRAFT_DIR, target_dir(), out),
-                    stamp,
-                )
-                log(f"feature draft ready at {feature_draft_dir()}")
-                built = True
+            built |= _prepare_draft(
+                COMMITTED_FEATURE_DRAFT_DIR, feature_draft_dir(), target_sha, force or built, log
+            )
         if built or verify:
             facts = verify_pair(target_dir(), draft_dir())
             log(f"verified: both load, shared tokenizer ({facts})")

@@ -90,7 +90,7 @@ class TargetModel:
     @property
     def provides_features(self) -> bool:
         """Whether its engine returns hidden states (``LlamaEngine``; not ``CachedLM``)."""
-        return isinstance(self.lm, LlamaEngine)
+        return self.hidden_size > 0
 
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         """Prefill all but the last prompt token, which is the first block's tail."""
