@@ -29,7 +29,7 @@ from asymspec.backends.hardware import (
     resolve_dtype,
     resolve_precision,
 )
-from asymspec.backends.llama import LlamaEngine, WeightLayout
+from asymspec.backends.llama import LlamaEngine, WeightLayout, _row_bucket
 from asymspec.backends.loading import load_causal_lm, session_lm
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
 
@@ -345,6 +345,37 @@ def test_llama_engine_with_fp16_weights_tracks_float32(
         LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16), fp16_weights=True)
 
 
+@pytest.mark.skipif(
+    not (fp16_weights_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="needs oneDNN bf16 and FBGEMM on an x86 CPU",
+)
+def test_bf16_engine_with_fp16_packings_for_few_rows_tracks_float32(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
+    mixed = LlamaEngine(half, few_rows_fp16=True)
+    plain = LlamaEngine(half, few_rows_fp16=False)
+    assert mixed.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16
+    assert plain.layout is WeightLayout.ONEDNN_BF16
+    sequence = _tokens(62, 40)
+    expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
+    for engine in (mixed, plain):
+        engine.open("s", sequence[:30])
+        # Decode steps of one row (FBGEMM in `mixed`), then a 6-row block (oneDNN in both).
+        steps = [engine.forward_new([("s", [t])])[0] for t in sequence[30:34]]
+        (block,) = engine.forward_new([("s", sequence[34:])])
+        rows = torch.softmax(torch.cat([*steps, block]), -1)
+        assert _max_diff(rows, expected) <= 0.05
+    # The same bf16 weights and inputs, both accumulated in float32: nearly the same products.
+    assert all(layer.qkv.few_rows is not None for layer in mixed.layers)
+    x = torch.randn(1, half.config.hidden_size, dtype=torch.bfloat16)
+    assert _max_diff(mixed.head(x).float(), plain.head(x).float()) <= 0.02
+    mixed.restrict_head(range(0, 64))  # a draft's restricted head keeps the layout
+    assert mixed.head.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16
+    with pytest.raises(ValueError, match="few rows"):
+        LlamaEngine(tiny_target_model, few_rows_fp16=True)  # float32: not a bf16 model
+
+
 # ---------------------------------------------------------------- LlamaEngine specifics
 
 
@@ -392,6 +423,15 @@ def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM
     assert rows.dtype == torch.float32
     expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
     assert _max_diff(torch.softmax(rows, -1), expected) <= 0.05
+
+
+def test_row_buckets_bound_the_primitives_and_the_padding() -> None:
+    # AMX (16-row tiles): nothing below 16; AVX512-BF16 alone: powers of two below 16.
+    rows = [1, 2, 3, 5, 9, 16, 17, 33, 128, 129, 200, 513]
+    assert [_row_bucket(r) for r in rows] == [16, 16, 16, 16, 16, 16, 32, 48, 128, 192, 256, 1024]
+    assert [_row_bucket(r, 1) for r in rows[:7]] == [1, 2, 4, 8, 16, 16, 32]
+    assert all(r <= _row_bucket(r, 1) < 2 * r for r in range(1, 2000))
+    assert len({_row_bucket(r, 1) for r in range(1, 513)}) == 5 + 7 + 6
 
 
 def test_a_restricted_head_scores_its_tokens_and_nothing_else(

@@ -16,7 +16,11 @@ CPU everything beside the matrix products is what made a forward slow:
   rows go through the final norm and the LM head;
 - **prepacked bf16 weights** on CPUs with AMX or AVX512-BF16: oneDNN's packed layout
   (``mkldnn._reorder_linear_weight``) runs the same bf16 products 1.6x faster than
-  ``F.linear`` here (``scripts/forward_cost.py`` records the figures);
+  ``F.linear`` here (``scripts/forward_cost.py`` records the figures); without AMX, rows
+  are padded only to the next power of two below 16 (AMX computes 16-row tiles, AVX512
+  every padded row), and products of at most 4 rows (decode steps) go through FBGEMM's
+  fp16 kernel on the same weights, which streams them ~1.9x faster than oneDNN's at one
+  row (``loadtest/results/forward_cost-avx512bf16/``);
 - **float16 weights** (``fp16_weights``) on x86 CPUs without native bf16 (AVX2): FBGEMM's
   packed fp16 matrices with float32 activations and accumulation. There, bf16 is emulated
   (5x slower than fp32 at 16 rows) and MKL's fp32 products are slow at a few rows; on an
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from asymspec.backends.engine import NewTokens, SessionTable
-from asymspec.backends.hardware import fp16_weights_supported
+from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported
 
 log = logging.getLogger("asymspec.engine")
 
@@ -80,7 +84,13 @@ class WeightLayout(enum.Enum):
 
     PLAIN = "plain"  # the model's own tensors, F.linear
     ONEDNN_BF16 = "oneDNN-packed bf16"  # CPUs with AMX / AVX512-BF16
+    # AVX512-BF16 without AMX: also FBGEMM fp16 packings for products of a few rows
+    ONEDNN_BF16_FEW_ROWS_FP16 = "oneDNN-packed bf16 (FBGEMM float16 for few rows)"
     FBGEMM_FP16 = "FBGEMM-packed float16"  # float32 activations, fp16 weights (AVX2 CPUs)
+
+    @property
+    def packs_bf16(self) -> bool:
+        return self in (WeightLayout.ONEDNN_BF16, WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16)
 
 
 class _Linear:
@@ -91,8 +101,17 @@ class _Linear:
     ) -> None:
         self.layout = layout
         self.bias = bias
-        if layout is WeightLayout.ONEDNN_BF16:
+        # (FBGEMM fp16 packing, float32 bias) for products of at most _FEW_ROWS rows
+        self.few_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        if layout.packs_bf16:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+            if layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16:
+                # bf16's 8-bit mantissa fits fp16's 11 bits: the same weights (but for the
+                # 0.015 % below fp16's normal range), with float32 activations.
+                self.few_rows = (
+                    torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous()),
+                    torch.zeros(weight.shape[0]) if bias is None else bias.float(),
+                )
         elif layout is WeightLayout.FBGEMM_FP16:
             self.weight = torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
             # FBGEMM's call takes a bias tensor, always.
@@ -107,19 +126,41 @@ class _Linear:
             return torch.fbgemm_linear_fp16_weight_fp32_activation(
                 x.contiguous(), self.weight, self.bias
             )
+        rows = x.shape[0]
+        if self.few_rows is not None and rows <= _FEW_ROWS:
+            packed, bias = self.few_rows
+            out = torch.fbgemm_linear_fp16_weight_fp32_activation(
+                x.float().contiguous(), packed, bias
+            )
+            return out.to(x.dtype)
         # oneDNN caches a primitive (~2 MB here) per distinct row count, so ragged batches
         # of every size grew the cloud's memory without bound: 1 to 400 rows cost 570 MB.
-        # Rows are padded to a few bucket sizes instead; AMX computes 16-row tiles anyway.
-        rows = x.shape[0]
-        bucket = _row_bucket(rows)
+        # Rows are padded to a few bucket sizes instead (``_row_bucket``).
+        bucket = _row_bucket(rows, _SMALL_BUCKETS_FROM)
         if bucket != rows:
             x = F.pad(x, (0, 0, 0, bucket - rows))
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return out[:rows]
 
 
-def _row_bucket(rows: int) -> int:
-    """16, 32, .., 128, then 192, 256, .., 512 (steps of 64), then powers of two."""
+# AMX computes 16-row tiles, so padding fewer rows to 16 is free there; AVX512-BF16 alone
+# computes every padded row: on an EPYC a one-row decode step padded to 16 rows cost 29 ms
+# of products against 19.6 unpadded (gate_up alone, weights in cache: 280 against 72 us),
+# so there the buckets below 16 rows are powers of two.
+_SMALL_BUCKETS_FROM = 16 if cpu_has_amx() else 1
+# Without AMX, oneDNN's bf16 kernels stream weights poorly at a row or two: the model's
+# products cost 19.6 ms at one row against 10.3 ms for FBGEMM's fp16 kernel on the same
+# weights (an AVX512-BF16 EPYC, one thread, cold caches; 16.2 against 14.8 at 4 rows, and
+# bf16 wins from 8 on). So there the bf16 engine also keeps an fp16 packing for decode
+# steps of a few rows: twice the weights' memory for a ~1.8x faster one-session step.
+_FEW_ROWS = 4
+
+
+def _row_bucket(rows: int, smallest: int = 16) -> int:
+    """Powers of two from ``smallest`` to 16, then 32, 48, .., 128, then 192, 256, .., 512
+    (steps of 64), then powers of two."""
+    if rows <= 16:
+        return max(smallest, 1 << (rows - 1).bit_length())
     if rows <= 128:
         return -(-rows // 16) * 16
     if rows <= 512:
@@ -148,9 +189,13 @@ class _Session:
         return len(self.token_ids)
 
 
-def _weight_layout(model: PreTrainedModel, dtype: torch.dtype, fp16_weights: bool) -> WeightLayout:
-    """oneDNN packing pays on CPUs in bf16 (AMX / AVX512-BF16 kernels); FBGEMM fp16 only
-    when asked for (it changes the weights' precision, so the exact float32 mode is not it)."""
+def _weight_layout(
+    model: PreTrainedModel, dtype: torch.dtype, fp16_weights: bool, few_rows_fp16: bool | None
+) -> WeightLayout:
+    """oneDNN packing pays on CPUs in bf16 (AMX / AVX512-BF16 kernels), with FBGEMM fp16
+    packings beside it for few rows where there is no AMX (``few_rows_fp16``, None: where it
+    pays); FBGEMM fp16 alone only when asked for (it changes the weights' precision, so the
+    exact float32 mode is not it)."""
     on_cpu = model.device.type == "cpu"
     if fp16_weights:
         if not (on_cpu and dtype == torch.float32 and fp16_weights_supported()):
@@ -162,7 +207,13 @@ def _weight_layout(model: PreTrainedModel, dtype: torch.dtype, fp16_weights: boo
         and torch.backends.mkldnn.is_available()
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ):
-        return WeightLayout.ONEDNN_BF16
+        if few_rows_fp16 is None:
+            few_rows_fp16 = not cpu_has_amx() and fp16_weights_supported()
+        elif few_rows_fp16 and not fp16_weights_supported():
+            raise ValueError("fp16 packings for few rows need an x86 CPU with AVX2 (FBGEMM)")
+        return WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16 if few_rows_fp16 else WeightLayout.ONEDNN_BF16
+    if few_rows_fp16:
+        raise ValueError("fp16 packings for few rows are for a bf16 model on a CPU")
     return WeightLayout.PLAIN
 
 
@@ -172,7 +223,12 @@ class LlamaEngine(SessionTable[_Session]):
     Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it.
     """
 
-    def __init__(self, model: PreTrainedModel, fp16_weights: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        fp16_weights: bool = False,
+        few_rows_fp16: bool | None = None,
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
@@ -187,7 +243,7 @@ class LlamaEngine(SessionTable[_Session]):
             getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         )
         self.eps = float(config.rms_norm_eps)
-        self.layout = _weight_layout(model, self.dtype, fp16_weights)
+        self.layout = _weight_layout(model, self.dtype, fp16_weights, few_rows_fp16)
         self._build(model)
         log.info(
             "LlamaEngine: %d layers, %s on %s, %s weights",
@@ -357,7 +413,7 @@ class LlamaEngine(SessionTable[_Session]):
             values.append(slot[:, 1:2, :, :total])
             masks.append(self._causal_mask(base, n_new))
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        attn_scale, gqa = self.scaling, h_q != h_kv
+        attn_scale = self.scaling
 
         if inputs is None:
             x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
@@ -374,22 +430,18 @@ class LlamaEngine(SessionTable[_Session]):
                 zip(q.split(counts, dim=2), kv.split(counts, dim=2), strict=True)
             ):
                 writes[b][i].copy_(kv_b)
-                n_b = counts[b]
-                if n_b == 1:  # q_b [1, H, 1, D] against [1, H_kv, base + 1, D]
-                    out = F.scaled_dot_product_attention(
-                        q_b, keys[b][i], values[b][i], scale=attn_scale, enable_gqa=gqa
-                    )
-                else:
-                    # Several queries: fold each KV head's query group into the query axis,
-                    # [1, H_kv, g n, D]; CPU flash attention runs that ~1.5-2x faster than
-                    # with enable_gqa (scripts/forward_cost.py). Masks are folded alike.
-                    out = F.scaled_dot_product_attention(
-                        q_b.reshape(1, h_kv, -1, d),
-                        keys[b][i],
-                        values[b][i],
-                        attn_mask=masks[b],
-                        scale=attn_scale,
-                    ).view(1, h_q, n_b, d)
+                # Fold each KV head's query group into the query axis, [1, H_kv, g n, D]:
+                # CPU flash attention runs that ~1.5-2x faster than with enable_gqa for
+                # several queries, and 4-6x faster in bf16 for one (on an AVX512-BF16 EPYC
+                # 94 against 24 us at 100 positions; scripts/forward_cost.py). Masks are
+                # folded alike; one query sees its whole prefix and needs none.
+                out = F.scaled_dot_product_attention(
+                    q_b.reshape(1, h_kv, -1, d),
+                    keys[b][i],
+                    values[b][i],
+                    attn_mask=masks[b],
+                    scale=attn_scale,
+                ).view(1, h_q, counts[b], d)
                 outs.append(out)
             attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [1, H, T, D]
             x = x + layer.o(attn[0].transpose(0, 1).reshape(-1, h_q * d))
