@@ -45,7 +45,7 @@ from asymspec.backends.target import (
     fed_rows,
 )
 from asymspec.model_thread import ModelThread
-from asymspec.wire import ErrorCode, VerifyResult, WireError
+from asymspec.wire import ErrorCode, TargetCost, VerifyResult, WireError
 from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
@@ -181,6 +181,11 @@ class Batcher:
     async def stop(self) -> None:
         await self.actor.stop()
         self.model_thread.shutdown()
+
+    def target_cost(self) -> TargetCost | None:
+        """The forward cost an edge chooses γ by; None until base and slope are told apart."""
+        fit = self.cost.identified_fit()
+        return None if fit is None else TargetCost(*fit)
 
     def _fitted_cost(self) -> tuple[float, float]:
         """(base_s, per_row_s) for the gauges, NaN before any forward."""

@@ -240,6 +240,7 @@ class ChannelServer:
                 msg.session_id,
                 len(session.confirmed),
                 _prompt_h(session, self.batcher.target.hidden_size),
+                self.batcher.target_cost(),
             )
         )
 

@@ -43,6 +43,18 @@ class ForwardCost:
         self._sum_rows2 = self._sum_rows2 * decay + rows * rows
         self._sum_rows_s = self._sum_rows_s * decay + rows * seconds
 
+    def identified_fit(self) -> tuple[float, float] | None:
+        """``fit()`` only where the recent row counts varied enough to tell the base from
+        the slope (the edge chooses γ with it, and a line through the origin would make
+        every row look dear) and rows cost time (a slope ≤ 0 is noise); else None."""
+        if self._weight <= 0.0 or self._sum_rows <= 0.0:
+            return None
+        mean_rows = self._sum_rows / self._weight
+        if self._sum_rows2 / self._weight - mean_rows * mean_rows < _MIN_ROWS_VARIANCE:
+            return None
+        fitted = self.fit()
+        return fitted if fitted is not None and fitted[1] > 0.0 else None
+
     def fit(self) -> tuple[float, float] | None:
         """(base_s, per_row_s); None before any forward with rows.
 

@@ -43,6 +43,7 @@ from asymspec.wire import (
     config_digest,
 )
 from edge_gateway.channel import ChannelDown, CloudChannel, CloudError, ReplyTimeout
+from edge_gateway.draft_length import GoodputDraftLength
 from edge_gateway.engine_api import GenerationError, GenerationRequest
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.replicas import CloudReplicas
@@ -109,6 +110,7 @@ class SpeculativeEngine:
         self.cloud, self.metrics = cloud, metrics
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
+        self.draft_length = GoodputDraftLength(settings.max_num_draft_tokens)
 
     def open_message(
         self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
@@ -218,6 +220,8 @@ class _RequestState:
             )
             try:
                 opened = await channel.open_session(message)
+                if opened.target_cost is not None:
+                    engine.draft_length.target_cost = opened.target_cost
                 self._log_prompt_features(opened)
                 return
             except ChannelDown:
@@ -251,7 +255,7 @@ class _RequestState:
         while self.produced < limit:
             try:
                 new_tokens = await self._one_block(
-                    max(1, min(self.gamma, limit - self.produced - 1))
+                    max(1, min(self._next_gamma(), limit - self.produced - 1))
                 )
             except ChannelDown:
                 await self._reopen()
@@ -319,7 +323,11 @@ class _RequestState:
             kept = min(self.draft_confirmed, self.engine.scheduler.cached_length(self.key))
             end = len(self.confirmed)
             features = None if self.features is None else self.features.before(kept, end)
+            drafting_since_s = time.perf_counter()
             draft = await self._draft(gamma, self.confirmed[kept:], kept, features)
+            draft_s: float | None = time.perf_counter() - drafting_since_s
+        else:
+            draft_s = None  # drafted while the last block was out
         gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
@@ -360,6 +368,7 @@ class _RequestState:
                 self.draft_confirmed = base_len
         engine.metrics.record_block(gamma, n)
         self.request.stats.record_block(gamma, n)
+        engine.draft_length.observe_block(gamma, n, draft_s)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
 
@@ -370,13 +379,20 @@ class _RequestState:
             raise CloudError(ErrorCode.UNSUPPORTED, "the cloud sent a verdict without features")
         self.features.extend(base_len - 1, features_from_wire(result.features))
 
+    def _next_gamma(self) -> int:
+        """The next block's γ: the request's own, else as ``settings.draft_length`` says."""
+        engine = self.engine
+        if self.request.num_draft_tokens or not engine.settings.draft_length.maximises_goodput:
+            return self.gamma
+        return engine.draft_length.choose(engine.scheduler.active, self.gamma)
+
     def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
         """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):
         the schedule of HF transformers' assisted generation — two more after a fully
         accepted block, one fewer after a rejection — within [1, max_num_draft_tokens]."""
         settings = self.engine.settings
-        if not settings.adaptive_draft_tokens or self.request.num_draft_tokens:
-            return  # fixed γ, or the client pinned it for this request
+        if not settings.draft_length.adapts_per_request or self.request.num_draft_tokens:
+            return  # fixed or goodput γ, or the client pinned it for this request
         step = 2 if n_accepted == gamma else -1
         self.gamma = max(1, min(settings.max_num_draft_tokens, self.gamma + step))
 

@@ -109,6 +109,11 @@ class DraftScheduler:
         self._wakeup.set()  # the sync barrier may now be complete
         await self._call(self.draft.close, session_id)
 
+    @property
+    def active(self) -> int:
+        """Requests with an open draft session (decoding now)."""
+        return self._active
+
     def cached_length(self, session_id: str) -> int:
         """Tokens in the session's draft cache. Read between this session's own draft
         calls (the worker changes it only inside them)."""

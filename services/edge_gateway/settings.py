@@ -3,6 +3,7 @@ the mode is the shared ASYMSPEC_MODE)."""
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, ClassVar
 
 from pydantic import AliasChoices, Field, field_validator
@@ -14,6 +15,22 @@ from asymspec.backends.hardware import Role
 from asymspec.correction import Ladder
 from asymspec.modes import MODES, Mode, get_mode
 from asymspec.runtime_settings import RuntimeSettings
+
+
+class DraftLength(enum.Enum):
+    """How the edge picks γ for a block a request did not pin."""
+
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"  # per request, HF assisted generation's schedule
+    GOODPUT = "goodput"  # edge-wide, edge_gateway.draft_length
+
+    @property
+    def adapts_per_request(self) -> bool:
+        return self is DraftLength.ADAPTIVE
+
+    @property
+    def maximises_goodput(self) -> bool:
+        return self is DraftLength.GOODPUT
 
 
 class EdgeSettings(RuntimeSettings):
@@ -75,10 +92,16 @@ class EdgeSettings(RuntimeSettings):
         description="τ: a block ends after a draft token the draft gave (untempered, copy "
         "mixed in) less than this probability; 0 = every block drafts its full γ.",
     )
-    adaptive_draft_tokens: bool = Field(
-        False, description="Adapt γ per request from its observed acceptance (SPADE-style)."
+    draft_length: DraftLength = Field(
+        DraftLength.GOODPUT,
+        description="How γ is chosen when a request does not pin it: fixed (num_draft_tokens), "
+        "adaptive (per request: +2 after a fully accepted block, -1 after a rejection) or "
+        "goodput (the most expected tokens per second from measured acceptance, draft cost "
+        "and the verifier's fitted forward cost; num_draft_tokens until those are known).",
     )
-    max_num_draft_tokens: int = Field(8, ge=1, le=16, description="Upper bound of adaptive γ.")
+    max_num_draft_tokens: int = Field(
+        8, ge=1, le=16, description="Upper bound of an adaptive or goodput γ."
+    )
     fidelity_budget: float = Field(
         0.0, ge=0.0, le=1.0, description="Default ε_req per request; 0 = every correction exact."
     )

@@ -65,7 +65,8 @@ import numpy.typing as npt
 
 from asymspec.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: the OpenSession prompt travels zlib-compressed; 3: features
+# 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -167,6 +168,15 @@ class BlockId:
     seq: int
     base_len: int  # committed prefix length the block's drafts extend
     config_digest: int
+
+
+@dataclass(frozen=True, slots=True)
+class TargetCost:
+    """The verifier's fitted forward cost, ``base_s + row_s × rows`` (its batcher's online
+    fit): what the edge needs to choose γ for goodput (``edge_gateway.draft_length``)."""
+
+    base_s: float
+    row_s: float
 
 
 # --- messages --------------------------------------------------------------------------------
@@ -284,9 +294,16 @@ class SessionOpened(_Wire):
     session_id: int
     prefix_len: int
     features: Features | None = None  # (prefix_len - 1, hidden)
+    target_cost: TargetCost | None = None  # None until the verifier has timed a forward
 
     def _fields(self) -> list[Any]:
-        return [self.session_id, self.prefix_len, _features(self.features)]
+        cost = self.target_cost
+        return [
+            self.session_id,
+            self.prefix_len,
+            _features(self.features),
+            None if cost is None else [cost.base_s, cost.row_s],
+        ]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -716,7 +733,17 @@ def _open_session(f: _Fields) -> OpenSession:
 
 def _session_opened(f: _Fields) -> SessionOpened:
     session_id, prefix_len = f.uint(_U64_MAX), f.uint()
-    return SessionOpened(session_id, prefix_len, f.opt_features(max(prefix_len - 1, 0)))
+    features = f.opt_features(max(prefix_len - 1, 0))
+    cost = None
+    if f.peek_none():
+        f.skip()
+    else:
+        fit = f.nested(2, "SessionOpened target_cost")
+        base_s, row_s = fit.real(), fit.real()
+        if base_s < 0.0 or row_s < 0.0:
+            raise _malformed(f"SessionOpened target_cost ({base_s}, {row_s}) is negative")
+        cost = TargetCost(base_s, row_s)
+    return SessionOpened(session_id, prefix_len, features, cost)
 
 
 def _correction_request(f: _Fields) -> CorrectionRequest:
@@ -742,7 +769,7 @@ _FIELD_COUNTS = MappingProxyType(
         MessageType.HELLO: 2,
         MessageType.HELLO_ACK: 1,
         MessageType.OPEN_SESSION: 5,
-        MessageType.SESSION_OPENED: 3,
+        MessageType.SESSION_OPENED: 4,
         MessageType.CLOSE_SESSION: 1,
         MessageType.VERIFY_BLOCK: 4,
         MessageType.VERIFY_BLOCK_FULL: 4,

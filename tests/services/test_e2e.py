@@ -39,7 +39,7 @@ STOP_CONFIDENCE = "0.1"
 # Edge variants by name: (mode, extra edge settings).
 VARIANTS = {
     **{mode: (mode, {}) for mode in ("target-only", "draft-only", *SPECULATIVE)},
-    "asymspec-adaptive": ("asymspec", {"adaptive_draft_tokens": "true"}),
+    "asymspec-adaptive": ("asymspec", {"draft_length": "adaptive"}),
     # Blocks end after an unsure draft token; τ cuts some of the tiny draft's blocks, not all.
     "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
 }
@@ -294,8 +294,14 @@ def metric_value(edge: Service, name: str) -> float:
 
 def test_unsure_drafts_end_their_blocks_early(edges: dict[str, Service]) -> None:
     """With τ > 0 the same greedy request is drafted in more, shorter blocks than without,
-    and some blocks still run their full γ."""
-    body = {"prompt": "The quick brown", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    and some blocks still run their full γ (pinned: the goodput γ would move it)."""
+    body = {
+        "prompt": "The quick brown",
+        "max_tokens": 64,
+        "temperature": 0,
+        "ignore_eos": True,
+        "num_draft_tokens": 4,
+    }
     per_block = {}
     for name in ("asymspec", "asymspec-stop"):
         blocks = metric_value(edges[name], "asymspec_spec_decode_num_drafts_total")

@@ -33,6 +33,16 @@ def test_equal_row_counts_give_the_line_through_the_origin() -> None:
     assert fitted == pytest.approx((0.0, 0.002))
 
 
+def test_the_identified_fit_needs_varied_rows() -> None:
+    """What the edge chooses γ by: never the origin line, which makes every row look dear."""
+    assert ForwardCost().identified_fit() is None
+    assert cost_of((64, 0.128), (64, 0.128)).identified_fit() is None
+    varied = cost_of((10, 0.030), (20, 0.050), (10, 0.030), (20, 0.050))
+    assert varied.identified_fit() == pytest.approx((0.010, 0.002))
+    noise = cost_of((10, 0.050), (20, 0.030))  # more rows, less time: no cost per row to send
+    assert noise.fit() is not None and noise.identified_fit() is None
+
+
 def test_a_negative_intercept_is_clipped_to_zero() -> None:
     fitted = cost_of((10, 0.005), (20, 0.030)).fit()
     assert fitted is not None

@@ -37,6 +37,7 @@ from asymspec.wire import (
     Proposals,
     SamplingConfig,
     SessionOpened,
+    TargetCost,
     TopK,
     VerifyBlock,
     VerifyBlockFull,
@@ -94,6 +95,7 @@ def sample_messages() -> list[Message]:
         SessionOpened(3, 4),
         SessionOpened(3, 4, FEATURES[:3]),  # h of positions 0 .. 2 (the prompt's all but last)
         SessionOpened(3, 1, FEATURES[:0]),  # a one-token prompt: no position fed
+        SessionOpened(3, 4, None, TargetCost(0.034, 0.0017)),  # the verifier's fitted cost
         OpenSession(7, u32(1, 2), SAMPLING, wants_features=True),
         CloseSession(3),
         VerifyBlock(BLOCK, u32(10, 11, 12, 13), f32(0.9, 0.5, 1e-30, 1.0), u32()),
@@ -355,7 +357,13 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
         ),
         (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 0, 5, None, [3, b"\0" * 5]), "odd bytes"),
         (raw_frame(MessageType.VERIFY_RESULT, GOOD_BLOCK, 0, 5, None, [0, b""]), "hidden 0"),
-        (raw_frame(MessageType.SESSION_OPENED, 3, 4, [3, b"\0" * 6]), "1 row for 3 positions"),
+        (
+            raw_frame(MessageType.SESSION_OPENED, 3, 4, [3, b"\0" * 6], None),
+            "1 row for 3 positions",
+        ),
+        (raw_frame(MessageType.SESSION_OPENED, 3, 4, None, [0.03, -1e-3]), "negative row cost"),
+        (raw_frame(MessageType.SESSION_OPENED, 3, 4, None, [0.03]), "one cost field"),
+        (raw_frame(MessageType.SESSION_OPENED, 3, 4, None, [0.03, "x"]), "cost not a number"),
         (
             raw_frame(
                 MessageType.VERIFY_RESULT, GOOD_BLOCK, 1, 5, [1, TOK4, PROB4, b"\0" * 4], None

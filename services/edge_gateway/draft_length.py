@@ -1,0 +1,87 @@
+"""γ for goodput: the draft length that maximises expected tokens per second of a block
+cycle, from what this edge measures and what the verifier says its forwards cost.
+
+Whether drafting more tokens per block pays depends on the machine by an order of
+magnitude. On a GPU or an AMX CPU a verify row rides nearly free, so long blocks win. On a
+CPU whose products are compute-bound from a few rows on (AVX512-BF16 alone, AVX2) every
+draft row costs the verifier time, and so does every draft step at the edge. There one
+draft token per block beat four by 22 % at one chat and 16 % at sixteen
+(``loadtest/results/engine-avx512bf16/``). This is SmartSpec's rule (Liu et al., 2024,
+"Optimizing speculative decoding for serving large language models using goodput"), with
+the cost split between the two machines:
+
+- expected tokens of a block of γ, per-token acceptance α (i.i.d.): ``E(γ) = Σ_{i=0..γ} α^i``
+  (the accepted drafts and the bonus or recovered token);
+- the verifier's time for a round of this edge's ``B`` open requests, each sending a
+  block: ``base + row × B (γ + 1)`` (``TargetCost``, the verifier's own online fit);
+- the edge's drafting: ``draft_s × γ`` per block (measured per draft token);
+- one request alone waits for both in turn; several overlap drafting with verifying,
+  so the cycle is the longer of the two.
+
+α and the draft's time per token are exponentially weighted over recent blocks of every
+request on this edge; until the verifier has sent a cost and a few blocks have been seen,
+the configured γ stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asymspec.wire import TargetCost
+
+_MIN_BLOCKS = 8.0  # (weighted) blocks seen before α is trusted
+
+
+@dataclass(slots=True)
+class GoodputDraftLength:
+    """Owned by the edge's engine; written as blocks finish, read as blocks start (both
+    on the event loop)."""
+
+    max_gamma: int
+    half_life_blocks: float = 64.0
+    target_cost: TargetCost | None = None  # the latest a verifier sent (SessionOpened)
+    _blocks: float = 0.0
+    _accepted: float = 0.0
+    _rejected: float = 0.0
+    _draft_tokens: float = 0.0
+    _draft_s: float = 0.0
+
+    def observe_block(self, gamma: int, n_accepted: int, draft_s: float | None) -> None:
+        """A verdict: ``n_accepted`` of ``gamma`` drafts, drafted in ``draft_s`` (None: a
+        runahead block, drafted while an earlier one was out)."""
+        decay = 0.5 ** (1.0 / self.half_life_blocks)
+        self._blocks = self._blocks * decay + 1.0
+        self._accepted = self._accepted * decay + n_accepted
+        self._rejected = self._rejected * decay + (1.0 if n_accepted < gamma else 0.0)
+        if draft_s is not None:
+            self._draft_tokens = self._draft_tokens * decay + gamma
+            self._draft_s = self._draft_s * decay + draft_s
+
+    @property
+    def acceptance(self) -> float | None:
+        """α: accepted drafts over drafts tested (a block stops at its first rejection)."""
+        if self._blocks < _MIN_BLOCKS or self._accepted + self._rejected <= 0.0:
+            return None
+        return self._accepted / (self._accepted + self._rejected)
+
+    @property
+    def draft_s_per_token(self) -> float | None:
+        return None if self._draft_tokens <= 0.0 else self._draft_s / self._draft_tokens
+
+    def choose(self, open_requests: int, fallback: int) -> int:
+        """γ in 1 .. max_gamma with the most expected tokens per second of a cycle for
+        ``open_requests`` decoding at once; ``fallback`` while anything is unknown."""
+        alpha, draft_s, cost = self.acceptance, self.draft_s_per_token, self.target_cost
+        if alpha is None or draft_s is None or cost is None:
+            return fallback
+        batch = max(1, open_requests)
+        best, best_rate = fallback, -1.0
+        for gamma in range(1, self.max_gamma + 1):
+            tokens = sum(alpha**i for i in range(gamma + 1))
+            verify_s = cost.base_s + cost.row_s * batch * (gamma + 1)
+            drafting_s = draft_s * gamma
+            cycle_s = verify_s + drafting_s if batch == 1 else max(verify_s, drafting_s)
+            rate = tokens / cycle_s if cycle_s > 0.0 else float("inf")
+            if rate > best_rate:
+                best, best_rate = gamma, rate
+        return best

@@ -1,0 +1,91 @@
+"""The edge's goodput γ: exact hand cases for the estimates and the choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asymspec.wire import TargetCost
+from edge_gateway.draft_length import GoodputDraftLength
+from edge_gateway.settings import DraftLength, EdgeSettings
+
+# Measured on the AVX512-BF16 EPYC (loadtest/results/engine-avx512bf16/): ~15 ms a forward
+# plus ~1.9 ms a row; on an AMX Xeon rows ride nearly free (35 ms + 0.3 ms a row).
+COMPUTE_BOUND = TargetCost(base_s=0.015, row_s=0.0019)
+ROWS_NEARLY_FREE = TargetCost(base_s=0.035, row_s=0.0003)
+
+
+def seen(*blocks: tuple[int, int], draft_s_per_token: float = 0.004) -> GoodputDraftLength:
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)  # no decay: exact sums
+    for gamma, n_accepted in blocks:
+        policy.observe_block(gamma, n_accepted, draft_s_per_token * gamma)
+    return policy
+
+
+def test_the_configured_gamma_stands_until_everything_is_known() -> None:
+    policy = seen(*[(4, 2)] * 7)
+    policy.target_cost = COMPUTE_BOUND
+    assert policy.acceptance is None  # 7 blocks: too few
+    assert policy.choose(open_requests=1, fallback=4) == 4
+    policy.observe_block(4, 2, 0.016)
+    assert policy.acceptance == pytest.approx(16 / (16 + 8))
+    assert policy.choose(open_requests=1, fallback=4) != 4
+    policy.target_cost = None  # no verifier has sent a fit yet
+    assert policy.choose(open_requests=1, fallback=4) == 4
+    runahead_only = GoodputDraftLength(max_gamma=8)
+    for _ in range(10):
+        runahead_only.observe_block(4, 4, None)
+    runahead_only.target_cost = COMPUTE_BOUND
+    assert runahead_only.draft_s_per_token is None
+    assert runahead_only.choose(open_requests=1, fallback=3) == 3
+
+
+def test_acceptance_counts_the_drafts_tested() -> None:
+    """A block stops at its first rejection: 4 of 4 tests 4 drafts, 1 of 4 tests 2."""
+    policy = seen(*[(4, 4)] * 4, *[(4, 1)] * 4)
+    assert policy.acceptance == pytest.approx(20 / (20 + 4))
+    assert policy.draft_s_per_token == pytest.approx(0.004)
+
+
+def test_expensive_rows_want_short_blocks_and_free_rows_long_ones() -> None:
+    policy = seen(*[(4, 1)] * 4, *[(4, 2)] * 4, *[(4, 0)] * 2)  # α = 12 / 22, about 0.55
+    policy.target_cost = COMPUTE_BOUND
+    # One chat: E(γ) / (0.015 + 0.0019 (γ + 1) + 0.004 γ): γ = 1 gives 1.545 / 0.0228 = 67.8
+    # tokens/s, γ = 2 1.843 / 0.0327 = 56.4.
+    assert policy.choose(open_requests=1, fallback=4) == 1
+    assert policy.choose(open_requests=16, fallback=4) == 1
+    policy.target_cost = ROWS_NEARLY_FREE
+    # 0.035 + 0.0003 (γ + 1) + 0.004 γ: γ = 2 gives 1.843 / 0.0439 = 42.0, γ = 3 2.006 /
+    # 0.0482 = 41.6, γ = 1 1.545 / 0.0396 = 39.0.
+    assert policy.choose(open_requests=1, fallback=4) == 2
+    # Sixteen chats overlap drafting with verifying, max(0.035 + 0.0048 (γ + 1), 0.004 γ):
+    # γ = 2 gives 1.843 / 0.0494 = 37.3, γ = 3 2.006 / 0.0542 = 37.0, γ = 1 34.6.
+    assert policy.choose(open_requests=16, fallback=4) == 2
+
+
+def test_high_acceptance_drafts_up_to_the_bound() -> None:
+    policy = seen(*[(4, 4)] * 20, draft_s_per_token=0.0005)
+    policy.observe_block(4, 3, 0.002)
+    policy.target_cost = ROWS_NEARLY_FREE
+    assert policy.choose(open_requests=1, fallback=4) == 8
+
+
+def test_old_blocks_fade_with_the_half_life() -> None:
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=8.0)
+    for _ in range(40):
+        policy.observe_block(4, 4, 0.01)
+    for _ in range(200):  # 25 half-lives
+        policy.observe_block(4, 0, 0.01)
+    acceptance = policy.acceptance
+    assert acceptance is not None and acceptance < 1e-4
+
+
+def test_goodput_is_the_default_and_the_setting_reads_its_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ASYMSPEC_EDGE_SHARED_SECRET", "a long enough secret")
+    assert EdgeSettings().draft_length is DraftLength.GOODPUT
+    monkeypatch.setenv("ASYMSPEC_EDGE_DRAFT_LENGTH", "adaptive")
+    assert EdgeSettings().draft_length.adapts_per_request
+    assert not EdgeSettings().draft_length.maximises_goodput
