@@ -47,13 +47,15 @@ class ForwardCost:
         """``fit()`` only where the recent row counts varied enough to tell the base from
         the slope (the edge chooses γ with it, and a line through the origin would make
         every row look dear) and rows cost time (a slope ≤ 0 is noise); else None."""
-        if self._weight <= 0.0 or self._sum_rows <= 0.0:
-            return None
-        mean_rows = self._sum_rows / self._weight
-        if self._sum_rows2 / self._weight - mean_rows * mean_rows < _MIN_ROWS_VARIANCE:
-            return None
         fitted = self.fit()
-        return fitted if fitted is not None and fitted[1] > 0.0 else None
+        if fitted is None or self._rows_variance() < _MIN_ROWS_VARIANCE:
+            return None
+        return fitted if fitted[1] > 0.0 else None
+
+    def _rows_variance(self) -> float:
+        """The weighted variance of recent row counts (call only with rows measured)."""
+        mean_rows = self._sum_rows / self._weight
+        return self._sum_rows2 / self._weight - mean_rows * mean_rows
 
     def fit(self) -> tuple[float, float] | None:
         """(base_s, per_row_s); None before any forward with rows.
@@ -67,7 +69,7 @@ class ForwardCost:
             return None
         mean_rows = self._sum_rows / self._weight
         mean_s = self._sum_s / self._weight
-        variance = self._sum_rows2 / self._weight - mean_rows * mean_rows
+        variance = self._rows_variance()
         if variance < _MIN_ROWS_VARIANCE:
             return 0.0, mean_s / mean_rows
         per_row_s = (self._sum_rows_s / self._weight - mean_rows * mean_s) / variance

@@ -110,7 +110,7 @@ class SpeculativeEngine:
         self.cloud, self.metrics = cloud, metrics
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
-        self.draft_length = GoodputDraftLength(settings.max_num_draft_tokens)
+        self.goodput_gamma = GoodputDraftLength(settings.max_num_draft_tokens)
 
     def open_message(
         self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
@@ -221,7 +221,7 @@ class _RequestState:
             try:
                 opened = await channel.open_session(message)
                 if opened.target_cost is not None:
-                    engine.draft_length.target_cost = opened.target_cost
+                    engine.goodput_gamma.target_cost = opened.target_cost
                 self._log_prompt_features(opened)
                 return
             except ChannelDown:
@@ -368,7 +368,7 @@ class _RequestState:
                 self.draft_confirmed = base_len
         engine.metrics.record_block(gamma, n)
         self.request.stats.record_block(gamma, n)
-        engine.draft_length.observe_block(gamma, n, draft_s)
+        engine.goodput_gamma.observe_block(gamma, n, draft_s)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
 
@@ -384,7 +384,7 @@ class _RequestState:
         engine = self.engine
         if self.request.num_draft_tokens or not engine.settings.draft_length.maximises_goodput:
             return self.gamma
-        return engine.draft_length.choose(engine.scheduler.active, self.gamma)
+        return engine.goodput_gamma.choose(engine.scheduler.active, self.gamma)
 
     def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
         """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):

@@ -20,7 +20,7 @@ CPU everything beside the matrix products is what made a forward slow:
   are padded only to the next power of two below 16 (AMX computes 16-row tiles, AVX512
   every padded row), and products of at most 4 rows (decode steps) go through FBGEMM's
   fp16 kernel on the same weights, which streams them ~1.9x faster than oneDNN's at one
-  row (``loadtest/results/forward_cost-avx512bf16/``);
+  row (``loadtest/results/engine-avx512bf16/``);
 - **float16 weights** (``fp16_weights``) on x86 CPUs without native bf16 (AVX2): FBGEMM's
   packed fp16 matrices with float32 activations and accumulation. There, bf16 is emulated
   (5x slower than fp32 at 16 rows) and MKL's fp32 products are slow at a few rows; on an
@@ -108,14 +108,9 @@ class _Linear:
             if layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16:
                 # bf16's 8-bit mantissa fits fp16's 11 bits: the same weights (but for the
                 # 0.015 % below fp16's normal range), with float32 activations.
-                self.few_rows = (
-                    torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous()),
-                    torch.zeros(weight.shape[0]) if bias is None else bias.float(),
-                )
+                self.few_rows = _fbgemm_fp16(weight, bias)
         elif layout is WeightLayout.FBGEMM_FP16:
-            self.weight = torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
-            # FBGEMM's call takes a bias tensor, always.
-            self.bias = torch.zeros(weight.shape[0]) if bias is None else bias.float()
+            self.weight, self.bias = _fbgemm_fp16(weight, bias)
         else:
             self.weight = weight
 
@@ -141,6 +136,14 @@ class _Linear:
             x = F.pad(x, (0, 0, 0, bucket - rows))
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return out[:rows]
+
+
+def _fbgemm_fp16(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FBGEMM's packed fp16 matrix and the float32 bias its call always takes."""
+    packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
+    return packed, torch.zeros(weight.shape[0]) if bias is None else bias.float()
 
 
 # AMX computes 16-row tiles, so padding fewer rows to 16 is free there; AVX512-BF16 alone
