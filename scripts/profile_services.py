@@ -7,7 +7,11 @@ Starts ``scripts/run_local.sh`` (as ``bench_make_run.py`` does), drives streamin
 the given concurrency, and records ``py-spy`` (from PyPI) on the cloud verifier and the edge
 gateway for ``--seconds`` while the load runs: ``cloud.txt`` / ``edge.txt`` hold the top
 functions by own time and by total time (from the raw samples), and ``*.raw`` the collapsed
-stacks (flamegraph.pl / speedscope.app read them). ``--repo`` profiles another checkout.
+stacks (flamegraph.pl / speedscope.app read them). ``rounds.json`` holds what both services'
+``/metrics`` counted while py-spy recorded: the cloud's verify rounds (blocks per round,
+forward and queue times, its fitted forward cost) and the edge's blocks (γ, accepted per
+block, draft steps, round trips), which say whether the cloud or the edge binds.
+``--repo`` profiles another checkout.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -61,6 +66,54 @@ def summarize(raw: Path, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+Scrapes = tuple[dict[str, float], dict[str, float]]  # a service's /metrics before, after
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a service's /metrics, summed over labels, by sample name."""
+    samples: dict[str, float] = collections.defaultdict(float)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] += sample.value
+    return dict(samples)
+
+
+def rounds(cloud: Scrapes, edge: Scrapes) -> dict[str, float | None]:
+    """What the services counted between their two scrapes."""
+
+    def delta(scrapes: Scrapes, name: str) -> float:
+        before, after = scrapes
+        return after.get(f"asymspec_{name}", 0.0) - before.get(f"asymspec_{name}", 0.0)
+
+    def mean(scrapes: Scrapes, histogram: str, scale: float = 1.0) -> float | None:
+        count = delta(scrapes, f"{histogram}_count")
+        return round(scale * delta(scrapes, f"{histogram}_sum") / count, 3) if count else None
+
+    blocks = delta(edge, "spec_decode_num_drafts_total")
+
+    def per_block(name: str) -> float | None:
+        return round(delta(edge, name) / blocks, 3) if blocks else None
+
+    round_trip_ms = mean(edge, "verify_round_trip_seconds", 1e3)
+    return {
+        "cloud_verify_rounds": delta(cloud, "verify_batch_size_count"),
+        "cloud_blocks_per_round": mean(cloud, "verify_batch_size"),
+        "cloud_forward_ms": mean(cloud, "target_forward_seconds", 1e3),
+        "cloud_queue_wait_ms": mean(cloud, "verify_queue_wait_seconds", 1e3),
+        "cloud_fitted_base_ms": round(1e3 * cloud[1]["asymspec_target_forward_base_seconds"], 2),
+        "cloud_fitted_row_ms": round(1e3 * cloud[1]["asymspec_target_forward_row_seconds"], 3),
+        "edge_blocks": blocks,
+        "edge_gamma": per_block("spec_decode_num_draft_tokens_total"),
+        "edge_accepted_per_block": per_block("spec_decode_num_accepted_tokens_total"),
+        "edge_propose_ms": mean(edge, "draft_forward_seconds", 1e3),
+        "edge_requests_per_propose": mean(edge, "draft_batch_size"),
+        "edge_round_trip_ms": round_trip_ms,
+        "edge_busy_s": round(delta(edge, "edge_busy_seconds_total"), 2),
+        "tokens": delta(edge, "generation_tokens_total"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", default="asymspec")
@@ -84,6 +137,7 @@ def main() -> int:
         )
         worker.start()
         time.sleep(2)  # past the first prefills
+        before = scrape(CLOUD_PORT), scrape(EDGE_PORT)
         spies = [
             threading.Thread(
                 target=record,
@@ -95,6 +149,10 @@ def main() -> int:
             spy.start()
         for spy in spies:
             spy.join()
+        after = scrape(CLOUD_PORT), scrape(EDGE_PORT)
+        counted = rounds((before[0], after[0]), (before[1], after[1]))
+        (args.out / "rounds.json").write_text(json.dumps(counted, indent=1) + "\n")
+        print(json.dumps(counted))
         worker.join()
         for name in pids:
             (args.out / f"{name}.txt").write_text(summarize(args.out / f"{name}.raw"))
