@@ -95,7 +95,6 @@ def rounds(cloud: Scrapes, edge: Scrapes) -> dict[str, float | None]:
     def per_block(name: str) -> float | None:
         return round(delta(edge, name) / blocks, 3) if blocks else None
 
-    round_trip_ms = mean(edge, "verify_round_trip_seconds", 1e3)
     return {
         "cloud_verify_rounds": delta(cloud, "verify_batch_size_count"),
         "cloud_blocks_per_round": mean(cloud, "verify_batch_size"),
@@ -108,7 +107,7 @@ def rounds(cloud: Scrapes, edge: Scrapes) -> dict[str, float | None]:
         "edge_accepted_per_block": per_block("spec_decode_num_accepted_tokens_total"),
         "edge_propose_ms": mean(edge, "draft_forward_seconds", 1e3),
         "edge_requests_per_propose": mean(edge, "draft_batch_size"),
-        "edge_round_trip_ms": round_trip_ms,
+        "edge_round_trip_ms": mean(edge, "verify_round_trip_seconds", 1e3),
         "edge_busy_s": round(delta(edge, "edge_busy_seconds_total"), 2),
         "tokens": delta(edge, "generation_tokens_total"),
     }
