@@ -27,12 +27,13 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_make_run import CLOUD_PORT, EDGE_PORT, Stack, drive, workload  # noqa: E402
+
+from loadtest.bench.prometheus import Snapshot  # noqa: E402
 
 
 def service_pid(port: int) -> int:
@@ -66,50 +67,40 @@ def summarize(raw: Path, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
-Scrapes = tuple[dict[str, float], dict[str, float]]  # a service's /metrics before, after
+def scrape(port: int) -> Snapshot:
+    return Snapshot.parse(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of a service's /metrics, summed over labels, by sample name."""
-    samples: dict[str, float] = collections.defaultdict(float)
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] += sample.value
-    return dict(samples)
+def rounds(cloud: Snapshot, edge: Snapshot, cloud_now: Snapshot) -> dict[str, float | None]:
+    """What the services counted between two scrapes (``cloud``, ``edge``: the deltas),
+    with the cloud's fitted forward cost as it stands at the end (``cloud_now``)."""
 
+    def mean(delta: Snapshot, histogram: str, scale: float = 1.0) -> float | None:
+        count = delta.total(f"asymspec_{histogram}_count")
+        return round(scale * delta.total(f"asymspec_{histogram}_sum") / count, 3) if count else None
 
-def rounds(cloud: Scrapes, edge: Scrapes) -> dict[str, float | None]:
-    """What the services counted between their two scrapes."""
-
-    def delta(scrapes: Scrapes, name: str) -> float:
-        before, after = scrapes
-        return after.get(f"asymspec_{name}", 0.0) - before.get(f"asymspec_{name}", 0.0)
-
-    def mean(scrapes: Scrapes, histogram: str, scale: float = 1.0) -> float | None:
-        count = delta(scrapes, f"{histogram}_count")
-        return round(scale * delta(scrapes, f"{histogram}_sum") / count, 3) if count else None
-
-    blocks = delta(edge, "spec_decode_num_drafts_total")
+    blocks = edge.total("asymspec_spec_decode_num_drafts_total")
 
     def per_block(name: str) -> float | None:
-        return round(delta(edge, name) / blocks, 3) if blocks else None
+        return round(edge.total(f"asymspec_{name}") / blocks, 3) if blocks else None
 
+    base_s = cloud_now.total("asymspec_target_forward_base_seconds")
+    row_s = cloud_now.total("asymspec_target_forward_row_seconds")
     return {
-        "cloud_verify_rounds": delta(cloud, "verify_batch_size_count"),
+        "cloud_verify_rounds": cloud.total("asymspec_verify_batch_size_count"),
         "cloud_blocks_per_round": mean(cloud, "verify_batch_size"),
         "cloud_forward_ms": mean(cloud, "target_forward_seconds", 1e3),
         "cloud_queue_wait_ms": mean(cloud, "verify_queue_wait_seconds", 1e3),
-        "cloud_fitted_base_ms": round(1e3 * cloud[1]["asymspec_target_forward_base_seconds"], 2),
-        "cloud_fitted_row_ms": round(1e3 * cloud[1]["asymspec_target_forward_row_seconds"], 3),
+        "cloud_fitted_base_ms": round(1e3 * base_s, 2),
+        "cloud_fitted_row_ms": round(1e3 * row_s, 3),
         "edge_blocks": blocks,
         "edge_gamma": per_block("spec_decode_num_draft_tokens_total"),
         "edge_accepted_per_block": per_block("spec_decode_num_accepted_tokens_total"),
         "edge_propose_ms": mean(edge, "draft_forward_seconds", 1e3),
         "edge_requests_per_propose": mean(edge, "draft_batch_size"),
         "edge_round_trip_ms": mean(edge, "verify_round_trip_seconds", 1e3),
-        "edge_busy_s": round(delta(edge, "edge_busy_seconds_total"), 2),
-        "tokens": delta(edge, "generation_tokens_total"),
+        "edge_busy_s": round(edge.total("asymspec_edge_busy_seconds_total"), 2),
+        "tokens": edge.total("asymspec_generation_tokens_total"),
     }
 
 
@@ -149,7 +140,7 @@ def main() -> int:
         for spy in spies:
             spy.join()
         after = scrape(CLOUD_PORT), scrape(EDGE_PORT)
-        counted = rounds((before[0], after[0]), (before[1], after[1]))
+        counted = rounds(after[0].minus(before[0]), after[1].minus(before[1]), after[0])
         (args.out / "rounds.json").write_text(json.dumps(counted, indent=1) + "\n")
         print(json.dumps(counted))
         worker.join()
