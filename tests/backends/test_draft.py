@@ -271,6 +271,61 @@ def test_a_restricted_head_drafts_only_its_tokens(tiny_draft_model: LlamaForCaus
         assert block.probs[i] == block.rows[i, int(token)] > 0.0
 
 
+class _WholeVocabularyDraft(DraftModel):
+    """The same draft with every row finished and drawn over the whole vocabulary."""
+
+    def restricted_head(self) -> None:
+        return None
+
+
+def test_a_restricted_head_drafts_on_its_columns_exactly_as_on_the_whole_vocabulary(
+    tiny_draft_model: LlamaForCausalLM,
+) -> None:
+    """With a restricted head, rows are mixed and drawn on the head's K columns unless their
+    copy lies off the head or they go on the wire as float16. Every block equals the
+    whole-vocabulary path's: the same tokens, float16 rows and stopping points, and q to
+    float32 rounding (the softmax sums K columns instead of V; exact on this tiny model)."""
+    kept = list(range(0, TINY_VOCAB, 3))
+    drafts = []
+    for cls in (DraftModel, _WholeVocabularyDraft):
+        lm = session_lm(tiny_draft_model)
+        lm.restrict_head(kept)  # type: ignore[attr-defined]
+        drafts.append(cls(lm, copy_weight=0.7, stop_confidence=0.05))
+    on_columns, whole = drafts
+    assert on_columns.restricted_head() is not None and whole.restricted_head() is None
+    prompts = {
+        "copies-off-head": [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4],  # "1 4" was followed by 1
+        "copies-on-head": [6, 9, 12, 30, 6, 9],  # "6 9" was followed by 12
+        "greedy": [6, 9, 12, 30, 6, 9, 12],
+        "no-copy": [5, 7, 11, 13],
+        "float16": [2, 4, 8, 2, 4],
+    }
+    params = {"greedy": GREEDY, "no-copy": T1}
+    for seed in range(12):
+        blocks = []
+        for draft in drafts:
+            requests = []
+            for name, prompt in prompts.items():
+                draft.open(name, prompt)
+                generator = torch.Generator().manual_seed(seed * 10 + len(requests))
+                sampling = params.get(name, SamplingParams(temperature=0.7))
+                requests.append(
+                    DraftRequest(name, prompt[-1:], 5, sampling, generator, name == "float16")
+                )
+            blocks.append(draft.propose(requests))
+            for name in prompts:
+                draft.close(name)
+        for got, want in zip(*blocks, strict=True):
+            assert got.tokens.tolist() == want.tokens.tolist()
+            torch.testing.assert_close(got.rows, want.rows, rtol=0.0, atol=1e-6)
+            assert np.array_equal(got.probs, got.rows[range(len(got.tokens)), got.tokens])
+            assert (got.half_rows is None) == (want.half_rows is None)
+            if got.half_rows is not None:
+                assert np.array_equal(got.half_rows, want.half_rows)
+    copied_off_head = blocks[0][0]
+    assert 1 in copied_off_head.tokens.tolist()  # the copy off the head was drafted
+
+
 def test_confidence_hand_cases() -> None:
     """softmax([0, ln 3]) = [1/4, 3/4]; a copy takes λ of the mass."""
     logits = torch.tensor([[0.0, float(np.log(3.0))]] * 3)
@@ -278,6 +333,11 @@ def test_confidence_hand_cases() -> None:
     assert torch.allclose(got, torch.tensor([0.75, 0.5 * 0.75 + 0.5, 0.5 * 0.75]))
     restricted = torch.tensor([[0.0, float("-inf")]])  # a restricted head's -inf columns
     assert confidence(restricted, [0], [None], weight=0.9).tolist() == [1.0]
+    # the head's columns only (tokens 1 and 3 of 4): token 2 is off the head, model mass 0
+    columns = torch.tensor([-1, 0, -1, 1])
+    on_head = torch.tensor([[0.0, float(np.log(3.0))]] * 3)
+    got = confidence(on_head, [3, 1, 2], [None, None, 2], weight=0.5, columns=columns)
+    assert torch.allclose(got, torch.tensor([0.75, 0.25, 0.5]))
 
 
 def test_a_block_ends_after_its_first_unsure_token(tiny_draft_model: LlamaForCausalLM) -> None:

@@ -123,6 +123,7 @@ class FeatureLM:
         batch: Sequence[NewTokens],
         keep_rows: Sequence[int] | None = None,
         prev_features: Sequence[torch.Tensor | None] | None = None,
+        head_only: bool = False,
     ) -> list[torch.Tensor]:
         """One forward over many sessions (``LlamaEngine.forward_new``'s contract)."""
         if not batch:
@@ -136,7 +137,9 @@ class FeatureLM:
         ids = torch.tensor([int(t) for _, new in batch for t in new])
         embedded = self.engine.embed[ids]  # [T, hidden]
         inputs = self.fc(torch.cat([embedded, torch.cat(features)], dim=-1))  # [T, hidden]
-        logits, out = self.engine.forward_features(batch, keeps, [1] * len(batch), inputs)
+        logits, out = self.engine.forward_features(
+            batch, keeps, [1] * len(batch), inputs, head_only=head_only
+        )
         for (session_id, _), h in zip(batch, out, strict=True):
             self._last[session_id] = h[-1]
         return logits

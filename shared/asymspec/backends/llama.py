@@ -287,6 +287,8 @@ class LlamaEngine(SessionTable[_Session]):
         self.final_norm = inner.norm.weight
         self.head = _Linear(model.lm_head.weight, None, self.layout)
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: the rows it scores
+        # set with head_ids: [V] each token's column among them, -1 for the tokens left out
+        self.head_columns: torch.Tensor | None = None
         self.scaling = self.head_dim**-0.5
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()  # [D/2]
@@ -332,17 +334,21 @@ class LlamaEngine(SessionTable[_Session]):
     # ------------------------------------------------------------------ forward
 
     def forward_new(
-        self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
+        self,
+        batch: Sequence[NewTokens],
+        keep_rows: Sequence[int] | None = None,
+        head_only: bool = False,
     ) -> list[torch.Tensor]:
         """One forward over many sessions; appends the new tokens to each session's cache.
 
         ``keep_rows[b]``: how many trailing rows of logits item b needs (default: all).
         Returns per item the float32 logits [keep_rows[b], V]; the last row predicts the
-        token after the item's last new token.
+        token after the item's last new token. ``head_only`` with a restricted head: the
+        logits of its tokens only, [keep_rows[b], len(head_ids)], in head_ids' order.
         """
         counts = [len(new_ids) for _, new_ids in batch]
         keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
-        return self.forward_features(batch, keeps, [0] * len(batch))[0]
+        return self.forward_features(batch, keeps, [0] * len(batch), head_only=head_only)[0]
 
     def forward_features(
         self,
@@ -350,6 +356,7 @@ class LlamaEngine(SessionTable[_Session]):
         keep_rows: Sequence[int],
         feature_rows: Sequence[int],
         inputs: torch.Tensor | None = None,
+        head_only: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``forward_new``, also returning each item's last ``feature_rows[b]`` hidden states
         after the final norm (what the LM head reads: a feature draft's input, see
@@ -381,7 +388,7 @@ class LlamaEngine(SessionTable[_Session]):
         if inputs is not None and tuple(inputs.shape) != (sum(counts), self.embed.shape[1]):
             raise ValueError(f"inputs {tuple(inputs.shape)}: need [{sum(counts)}, hidden]")
         with torch.inference_mode():
-            out = self._forward(batch, sessions, counts, keeps, features, inputs)
+            out = self._forward(batch, sessions, counts, keeps, features, inputs, head_only)
         for session, (_, new_ids) in zip(sessions, batch, strict=True):
             session.token_ids.extend(int(t) for t in new_ids)
         self.forward_calls += 1
@@ -395,6 +402,7 @@ class LlamaEngine(SessionTable[_Session]):
         keeps: list[int],
         features: list[int],
         inputs: torch.Tensor | None,
+        head_only: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         device = self.device
         ids: list[int] = []
@@ -456,22 +464,23 @@ class LlamaEngine(SessionTable[_Session]):
         ends = list(itertools.accumulate(counts))
         spans = [max(k, f) for k, f in zip(keeps, features, strict=True)]
         rows = [r for end, span in zip(ends, spans, strict=True) for r in range(end - span, end)]
+        columns = self.vocab_size if self.head_ids is None or not head_only else len(self.head_ids)
         if not rows:
-            no_logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+            no_logits = torch.empty((0, columns), dtype=torch.float32, device=device)
             no_features = x.new_empty((0, x.shape[1]))
             return [no_logits for _ in batch], [no_features for _ in batch]
         hidden = self._rms_norm(x[torch.tensor(rows, device=device)], self.final_norm)
         per_item = hidden.split(spans)
         feature_out = [h[h.shape[0] - f :] for h, f in zip(per_item, features, strict=True)]
         if not any(keeps):
-            no_logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+            no_logits = torch.empty((0, columns), dtype=torch.float32, device=device)
             return [no_logits for _ in batch], feature_out
         if spans == keeps:  # no item wants more feature rows than logits (decode, verify)
             scored = hidden
         else:
             scored = torch.cat([h[h.shape[0] - k :] for h, k in zip(per_item, keeps, strict=True)])
-        if self.head_ids is None:
-            logits = self.head(scored).float()  # [sum(keeps), V]
+        if self.head_ids is None or head_only:
+            logits = self.head(scored).float()  # [sum(keeps), V or len(head_ids)]
         else:  # a restricted head: -inf (probability 0) outside its tokens
             logits = torch.full(
                 (scored.shape[0], self.vocab_size),
@@ -499,6 +508,8 @@ class LlamaEngine(SessionTable[_Session]):
             )
         self.head = _Linear(self.model.lm_head.weight[ids].contiguous(), None, self.layout)
         self.head_ids = ids
+        columns = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
+        self.head_columns = columns.index_copy_(0, ids, torch.arange(len(ids), device=self.device))
         log.info("LlamaEngine: LM head restricted to %d of %d tokens", ids.numel(), self.vocab_size)
 
     def _causal_mask(self, base: int, n_new: int) -> torch.Tensor | None:
