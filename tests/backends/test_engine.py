@@ -454,11 +454,12 @@ def test_a_restricted_head_scores_its_tokens_and_nothing_else(
     restricted.truncate("s", 9)
     (on_head,) = restricted.forward_new([("s", sequence[9:])], head_only=True)
     assert torch.equal(on_head, rows[:, kept])
-    assert restricted.head_columns is not None
-    assert restricted.head_columns[kept].tolist() == list(range(len(kept)))
-    assert bool(restricted.head_columns[outside].eq(-1).all())
+    head = restricted.restricted_head
+    assert head is not None and head.ids.tolist() == kept
+    assert head.columns[kept].tolist() == list(range(len(kept)))
+    assert bool(head.columns[outside].eq(-1).all())
     (whole_rows,) = whole.forward_new([("s", [5])], head_only=True)  # no restriction: all V
-    assert whole_rows.shape == (1, TINY_VOCAB) and whole.head_columns is None
+    assert whole_rows.shape == (1, TINY_VOCAB) and whole.restricted_head is None
     for bad in ([], [TINY_VOCAB], [-1, 2]):
         with pytest.raises(ValueError, match="head token ids"):
             LlamaEngine(tiny_target_model).restrict_head(bad)

@@ -37,7 +37,7 @@ import torch
 
 from asymspec.backends.engine import SessionLM, draw_uniform
 from asymspec.backends.feature_draft import FeatureLM
-from asymspec.backends.llama import LlamaEngine
+from asymspec.backends.llama import LlamaEngine, RestrictedHead
 from asymspec.sampling import SamplingParams, draft_rows_from_half, sample_rows, transform_rows
 
 
@@ -182,14 +182,11 @@ class DraftModel:
             return self.lm.forward_new(batch, keep_rows=keep_rows, head_only=True)
         return self.lm.forward_new(batch, keep_rows=keep_rows)
 
-    def restricted_head(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The engine's restricted head (``LlamaEngine.restrict_head``): (head_ids [K], the
-        column of each token among them [V], -1 outside); None for a whole-vocabulary head."""
+    def restricted_head(self) -> RestrictedHead | None:
+        """The engine's restricted head (``LlamaEngine.restrict_head``); None for a head
+        over the whole vocabulary."""
         engine = self.lm.engine if isinstance(self.lm, FeatureLM) else self.lm
-        if not isinstance(engine, LlamaEngine) or engine.head_ids is None:
-            return None
-        assert engine.head_columns is not None
-        return engine.head_ids, engine.head_columns
+        return engine.restricted_head if isinstance(engine, LlamaEngine) else None
 
     def close(self, session_id: str) -> None:
         self.lm.close(session_id)
@@ -243,7 +240,7 @@ class DraftModel:
             for i, token in zip(active, drawn, strict=True):
                 tokens[i].append(token)
             if self.stop_confidence > 0.0:
-                columns = None if head is None else head[1]
+                columns = None if head is None else head.columns
                 sure = confidence(logits, drawn, copies, self.copy_weight, columns)
                 sure_enough = (sure >= self.stop_confidence).tolist()
                 for i, keep_going in zip(active, sure_enough, strict=True):
@@ -256,7 +253,7 @@ class DraftModel:
         requests: Sequence[DraftRequest],
         scored: torch.Tensor,
         copies: Sequence[int | None],
-        head: tuple[torch.Tensor, torch.Tensor] | None,
+        head: RestrictedHead | None,
     ) -> tuple[torch.Tensor, list[bool]]:
         """q over the whole vocabulary [A, V] from a step's transformed rows ``scored``, and
         per row whether it is final already and ``scored`` holds it on the head's columns.
@@ -269,17 +266,16 @@ class DraftModel:
         instead (``_finish_row``)."""
         if head is None:
             return scored, [False] * len(requests)
-        head_ids, columns = head
         on_head = [
-            not request.quantize_half and (copy is None or int(columns[copy]) >= 0)
+            not request.quantize_half and (copy is None or int(head.columns[copy]) >= 0)
             for request, copy in zip(requests, copies, strict=True)
         ]
         for j, (request, copy) in enumerate(zip(requests, copies, strict=True)):
             if on_head[j] and copy is not None:
-                column = int(columns[copy])
+                column = int(head.columns[copy])
                 scored[j] = mix_copy(scored[j], column, self.copy_weight, request.params.is_greedy)
         q_rows = scored.new_zeros((len(requests), self.lm.vocab_size))
-        return q_rows.index_copy_(1, head_ids.cpu(), scored), on_head
+        return q_rows.index_copy_(1, head.ids.cpu(), scored), on_head
 
     def _finish_row(
         self, q: torch.Tensor, copy: int | None, request: DraftRequest, halves: list[np.ndarray]
@@ -330,7 +326,7 @@ def _draw(
     q_rows: torch.Tensor,
     scored: torch.Tensor,
     on_head: Sequence[bool],
-    head: tuple[torch.Tensor, torch.Tensor] | None,
+    head: RestrictedHead | None,
     uniforms: Sequence[float],
 ) -> list[int]:
     """One token per row of ``q_rows`` [A, V] with its uniform; rows on the head are drawn
@@ -344,7 +340,7 @@ def _draw(
         assert head is not None
         rows = scored if len(on) == len(drawn) else scored[on]
         columns = sample_rows(rows, [uniforms[j] for j in on])
-        for j, token in zip(on, head[0].cpu()[columns].tolist(), strict=True):
+        for j, token in zip(on, head.ids.cpu()[columns].tolist(), strict=True):
             drawn[j] = int(token)
     if off:
         rows = q_rows if len(off) == len(drawn) else q_rows[off]

@@ -182,6 +182,19 @@ class _Layer:
     down_in: int  # I
 
 
+@dataclass(frozen=True)
+class RestrictedHead:
+    """A draft's LM head over some of the vocabulary (``LlamaEngine.restrict_head``)."""
+
+    ids: torch.Tensor  # [K] the tokens it scores, ascending
+    columns: torch.Tensor  # [V] each token's column among ids, -1 for the tokens left out
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, vocab_size: int) -> RestrictedHead:
+        columns = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        return cls(ids, columns.index_copy_(0, ids, torch.arange(len(ids), device=ids.device)))
+
+
 @dataclass
 class _Session:
     token_ids: list[int] = field(default_factory=list)
@@ -286,9 +299,7 @@ class LlamaEngine(SessionTable[_Session]):
             )
         self.final_norm = inner.norm.weight
         self.head = _Linear(model.lm_head.weight, None, self.layout)
-        self.head_ids: torch.Tensor | None = None  # set by restrict_head: the rows it scores
-        # set with head_ids: [V] each token's column among them, -1 for the tokens left out
-        self.head_columns: torch.Tensor | None = None
+        self.restricted_head: RestrictedHead | None = None  # set by restrict_head
         self.scaling = self.head_dim**-0.5
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()  # [D/2]
@@ -309,6 +320,11 @@ class LlamaEngine(SessionTable[_Session]):
     @property
     def vocab_size(self) -> int:
         return int(self.embed.shape[0])
+
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """The tokens a restricted head scores; None when it scores the whole vocabulary."""
+        return None if self.restricted_head is None else self.restricted_head.ids
 
     def _new_session(self) -> _Session:
         return _Session()
@@ -464,7 +480,8 @@ class LlamaEngine(SessionTable[_Session]):
         ends = list(itertools.accumulate(counts))
         spans = [max(k, f) for k, f in zip(keeps, features, strict=True)]
         rows = [r for end, span in zip(ends, spans, strict=True) for r in range(end - span, end)]
-        columns = self.vocab_size if self.head_ids is None or not head_only else len(self.head_ids)
+        head = self.restricted_head
+        columns = self.vocab_size if head is None or not head_only else len(head.ids)
         if not rows:
             no_logits = torch.empty((0, columns), dtype=torch.float32, device=device)
             no_features = x.new_empty((0, x.shape[1]))
@@ -479,8 +496,8 @@ class LlamaEngine(SessionTable[_Session]):
             scored = hidden
         else:
             scored = torch.cat([h[h.shape[0] - k :] for h, k in zip(per_item, keeps, strict=True)])
-        if self.head_ids is None or head_only:
-            logits = self.head(scored).float()  # [sum(keeps), V or len(head_ids)]
+        if head is None or head_only:
+            logits = self.head(scored).float()  # [sum(keeps), V or K]
         else:  # a restricted head: -inf (probability 0) outside its tokens
             logits = torch.full(
                 (scored.shape[0], self.vocab_size),
@@ -488,7 +505,7 @@ class LlamaEngine(SessionTable[_Session]):
                 dtype=torch.float32,
                 device=device,
             )
-            logits.index_copy_(1, self.head_ids, self.head(scored).float())
+            logits.index_copy_(1, head.ids, self.head(scored).float())
         return list(logits.split(keeps)), feature_out
 
     @torch.inference_mode()
@@ -507,9 +524,7 @@ class LlamaEngine(SessionTable[_Session]):
                 f"head token ids must be a non-empty subset of 0..{self.vocab_size - 1}"
             )
         self.head = _Linear(self.model.lm_head.weight[ids].contiguous(), None, self.layout)
-        self.head_ids = ids
-        columns = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
-        self.head_columns = columns.index_copy_(0, ids, torch.arange(len(ids), device=self.device))
+        self.restricted_head = RestrictedHead.of(ids, self.vocab_size)
         log.info("LlamaEngine: LM head restricted to %d of %d tokens", ids.numel(), self.vocab_size)
 
     def _causal_mask(self, base: int, n_new: int) -> torch.Tensor | None:
