@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +37,7 @@ from asymspec.backends.loading import load_causal_lm
 from asymspec.prompts import humaneval_prompts
 
 
-def best_s(run: object, repeats: int = 3) -> float:
-    assert callable(run)
+def best_s(run: Callable[[], object], repeats: int = 3) -> float:
     run()  # warm-up
     times = []
     for _ in range(repeats):

@@ -6,10 +6,10 @@
 B requests (held-out HumanEval prompts) each draft a γ-token block at T = 0.7 with the
 edge's copier (λ = DEFAULT_COPY_WEIGHT) and the draft's restricted head, as the edge runs
 it; after each block the caches roll back. Two paths of the same code, interleaved call by
-call so the VM's drift hits both alike: ``head columns`` (rows mixed and drawn on the
-head's K tokens, the default) and ``whole vocabulary`` (every row finished and drawn over
-all V tokens, as before 2026-12-05). Also the draft forward alone (``forward_new`` of one
-token per session), the part no sampling change touches. Median of paired repeats; writes
+call so the VM's drift hits both alike (``bench_backends.interleaved_medians``): ``head
+columns`` (rows mixed and drawn on the head's K tokens, the default) and ``whole
+vocabulary`` (every row finished and drawn over all V tokens, as before 2026-12-05). Also the draft forward alone (``forward_new`` of one
+token per session), the part no sampling change touches. Median of the repeats; writes
 ``propose_cost.json`` and ``propose_cost.txt`` with the CPU model and flags, torch threads
 and dtype.
 """
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,24 +31,15 @@ from asymspec.backends.loading import load_session_lm, restrict_draft_head
 from asymspec.prompts import humaneval_prompts
 from asymspec.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_backends import interleaved_medians  # noqa: E402
+
 
 class WholeVocabularyDraft(DraftModel):
     """The same draft with every row finished and drawn over the whole vocabulary."""
 
     def restricted_head(self) -> None:
         return None
-
-
-def paired_ms(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms per run, the runs interleaved call by call (after 3 warm-up rounds)."""
-    times: dict[str, list[float]] = {label: [] for label in runs}
-    for round_ in range(3 + repeats):
-        for label, run in runs.items():
-            start = time.perf_counter()
-            run()
-            if round_ >= 3:
-                times[label].append((time.perf_counter() - start) * 1e3)
-    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def measure(
@@ -64,7 +54,7 @@ def measure(
     params = SamplingParams(temperature=0.7)
     seeds = iter(range(10**9))
 
-    def propose(draft: DraftModel) -> object:
+    def propose(draft: DraftModel) -> None:
         requests = [
             DraftRequest(
                 session,
@@ -76,19 +66,18 @@ def measure(
             )
             for i, session in enumerate(sessions)
         ]
-        return draft.propose(requests)
+        draft.propose(requests)
 
-    def forward() -> object:
-        out = lm.forward_new([(s, prompts[i][-1:]) for i, s in enumerate(sessions)], [1] * batch)
+    def forward() -> None:
+        lm.forward_new([(s, prompts[i][-1:]) for i, s in enumerate(sessions)], [1] * batch)
         for session in sessions:
             lm.truncate(session, confirmed[session])
-        return out
 
-    runs: dict[str, Callable[[], object]] = {
+    runs: dict[str, Callable[[], None]] = {
         label: (lambda draft=draft: propose(draft)) for label, draft in drafts.items()
     }
     runs["draft forward (1 token each)"] = forward
-    ms = paired_ms(runs, args.repeats)
+    ms = {label: 1e3 * s for label, s in interleaved_medians(runs, args.repeats).items()}
     for session in sessions:
         lm.close(session)
     return ms
