@@ -8,10 +8,10 @@ edge's copier (λ = DEFAULT_COPY_WEIGHT) and the draft's restricted head, as the
 it; after each block the caches roll back. Two paths of the same code, interleaved call by
 call so the VM's drift hits both alike (``bench_backends.interleaved_medians``): ``head
 columns`` (rows mixed and drawn on the head's K tokens, the default) and ``whole
-vocabulary`` (every row finished and drawn over all V tokens, as before 2026-12-05). Also the draft forward alone (``forward_new`` of one
-token per session), the part no sampling change touches. Median of the repeats; writes
-``propose_cost.json`` and ``propose_cost.txt`` with the CPU model and flags, torch threads
-and dtype.
+vocabulary`` (every row finished and drawn over all V tokens, as before 2026-12-05).
+Also the draft forward alone (``forward_new`` of one token per session), the part no
+sampling change touches. Median of the repeats; writes ``propose_cost.json`` and
+``propose_cost.txt`` with the CPU model and flags, torch threads and dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from asymspec.prompts import humaneval_prompts
 from asymspec.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_backends import interleaved_medians  # noqa: E402
+from bench_backends import interleaved_medians
 
 
 class WholeVocabularyDraft(DraftModel):
