@@ -49,6 +49,7 @@ from transformers import PreTrainedModel
 
 from asymspec.backends.engine import NewTokens, SessionTable
 from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported
+from asymspec.backends.native_attention import MAX_NEW_TOKENS, NativeAttention
 
 log = logging.getLogger("asymspec.engine")
 
@@ -244,7 +245,11 @@ class LlamaEngine(SessionTable[_Session]):
         model: PreTrainedModel,
         fp16_weights: bool = False,
         few_rows_fp16: bool | None = None,
+        native_attention: bool | None = None,
     ) -> None:
+        """``native_attention``: the native decode/verify attention kernel (True: required,
+        False: never; None: as ``ASYMSPEC_NATIVE_ATTENTION`` says, by default where it
+        builds and suits the model; see ``asymspec.backends.native_attention``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
@@ -261,12 +266,16 @@ class LlamaEngine(SessionTable[_Session]):
         self.eps = float(config.rms_norm_eps)
         self.layout = _weight_layout(model, self.dtype, fp16_weights, few_rows_fp16)
         self._build(model)
+        self.native_attention = NativeAttention.for_engine(
+            self.dtype, model.device, self.head_dim, native_attention
+        )
         log.info(
-            "LlamaEngine: %d layers, %s on %s, %s weights",
+            "LlamaEngine: %d layers, %s on %s, %s weights, %s attention",
             len(self.layers),
             self.dtype,
             model.device,
             self.layout.value,
+            "native" if self.native_attention is not None else "torch",
         )
 
     # ------------------------------------------------------------------ weights
@@ -429,16 +438,33 @@ class LlamaEngine(SessionTable[_Session]):
         position_ids = torch.tensor(positions, device=device)
         cos = self.cos[position_ids][:, None]  # [T, 1, D]
         sin = self.sin[position_ids][:, None]
+        slots = [
+            self._reserve(session, session.length + n_new)  # [layers, 2, H_kv, capacity, D]
+            for session, n_new in zip(sessions, counts, strict=True)
+        ]
+        row0 = [end - n for end, n in zip(itertools.accumulate(counts), counts, strict=True)]
+        # Sessions with few new tokens (decode, verify) go to the native kernel, one call
+        # per layer for all of them; the rest (prefill chunks) to torch's flash attention.
+        native = self.native_attention
+        small = [] if native is None else [b for b, n in enumerate(counts) if n <= MAX_NEW_TOKENS]
+        plan = None
+        if native is not None and small:
+            plan = native.plan(
+                [row0[b] for b in small],
+                [counts[b] for b in small],
+                [sessions[b].length for b in small],
+                [slots[b] for b in small],
+            )
+        large = sorted(set(range(len(batch))) - set(small))
         # Per session, views into its slot made once per forward, not once per layer (on a
         # CPU each view costs about a microsecond of Python, and a forward has B x layers).
-        writes, keys, values, masks = [], [], [], []
-        for session, n_new in zip(sessions, counts, strict=True):
-            base, total = session.length, session.length + n_new
-            slot = self._reserve(session, total)  # [layers, 2, H_kv, capacity, D]
-            writes.append(slot[:, :, :, base:total])  # [layers, 2, H_kv, n, D]
-            keys.append(slot[:, 0:1, :, :total])  # [layers, 1, H_kv, base + n, D]
-            values.append(slot[:, 1:2, :, :total])
-            masks.append(self._causal_mask(base, n_new))
+        writes, keys, values, masks = {}, {}, {}, {}
+        for b in large:
+            base, total = sessions[b].length, sessions[b].length + counts[b]
+            writes[b] = slots[b][:, :, :, base:total]  # [layers, 2, H_kv, n, D]
+            keys[b] = slots[b][:, 0:1, :, :total]  # [layers, 1, H_kv, base + n, D]
+            values[b] = slots[b][:, 1:2, :, :total]
+            masks[b] = self._causal_mask(base, counts[b])
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_scale = self.scaling
 
@@ -450,28 +476,37 @@ class LlamaEngine(SessionTable[_Session]):
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))  # [T, (H + 2 H_kv) D]
             qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
             qk = _rotate(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
-            q = qk[:, :h_q].transpose(0, 1)[None]  # [1, H, T, D]
-            kv = torch.stack([qk[:, h_q:], v.view(-1, h_kv, d)]).transpose(1, 2)  # [2, H_kv, T, D]
-            outs = []
-            for b, (q_b, kv_b) in enumerate(
-                zip(q.split(counts, dim=2), kv.split(counts, dim=2), strict=True)
-            ):
-                writes[b][i].copy_(kv_b)
-                # Fold each KV head's query group into the query axis, [1, H_kv, g n, D]:
-                # CPU flash attention runs that ~1.5-2x faster than with enable_gqa for
-                # several queries, and 4-6x faster in bf16 for one (on an AVX512-BF16 EPYC
-                # 94 against 24 us at 100 positions; scripts/forward_cost.py). Masks are
-                # folded alike; one query sees its whole prefix and needs none.
-                out = F.scaled_dot_product_attention(
-                    q_b.reshape(1, h_kv, -1, d),
-                    keys[b][i],
-                    values[b][i],
-                    attn_mask=masks[b],
-                    scale=attn_scale,
-                ).view(1, h_q, counts[b], d)
-                outs.append(out)
-            attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [1, H, T, D]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(-1, h_q * d))
+            if plan is not None:
+                assert native is not None
+                attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
+                native.attend(
+                    plan, i, qk[:, :h_q], qk[:, h_q:], v.view(-1, h_kv, d), attn, attn_scale
+                )
+                for b in large:  # their rows of attn, by torch
+                    start, stop = row0[b], row0[b] + counts[b]
+                    attn[start:stop] = self._torch_attention(
+                        qk[start:stop],
+                        v[start:stop],
+                        writes[b][i],
+                        keys[b][i],
+                        values[b][i],
+                        masks[b],
+                    )
+            else:
+                attn = torch.cat(
+                    [
+                        self._torch_attention(
+                            qk[start : start + n],
+                            v[start : start + n],
+                            writes[b][i],
+                            keys[b][i],
+                            values[b][i],
+                            masks[b],
+                        )
+                        for b, (start, n) in enumerate(zip(row0, counts, strict=True))
+                    ]
+                )
+            x = x + layer.o(attn.view(-1, h_q * d))
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
 
@@ -507,6 +542,33 @@ class LlamaEngine(SessionTable[_Session]):
             )
             logits.index_copy_(1, head.ids, self.head(scored).float())
         return list(logits.split(keeps)), feature_out
+
+    def _torch_attention(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        write: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One session's attention by torch: its n rows of qk [n, H + H_kv, D] and v
+        [n, H_kv D]; writes their keys and values into its slot's ``write`` view
+        [2, H_kv, n, D]; returns [n, H, D]."""
+        h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        n = qk.shape[0]
+        write[0].copy_(qk[:, h_q:].transpose(0, 1))
+        write[1].copy_(v.view(n, h_kv, d).transpose(0, 1))
+        # Fold each KV head's query group into the query axis, [1, H_kv, g n, D]: CPU flash
+        # attention runs that ~1.5-2x faster than with enable_gqa for several queries, and
+        # 4-6x faster in bf16 for one (on an AVX512-BF16 EPYC 94 against 24 us at 100
+        # positions; scripts/forward_cost.py). Masks are folded alike; one query sees its
+        # whole prefix and needs none.
+        q = qk[:, :h_q].transpose(0, 1)  # [H, n, D]
+        out = F.scaled_dot_product_attention(
+            q.reshape(1, h_kv, -1, d), keys, values, attn_mask=mask, scale=self.scaling
+        )
+        return out.view(h_q, n, d).transpose(0, 1)  # [n, H, D]
 
     @torch.inference_mode()
     def restrict_head(self, token_ids: Sequence[int]) -> None:

@@ -1,0 +1,270 @@
+"""Native decode and verify attention: one C call per layer for all of a forward's sessions.
+
+Why: ``LlamaEngine`` keeps each session's KV in its own slot, so its attention was one
+``scaled_dot_product_attention`` call per session and layer. For a 16-session decode step
+of SmolLM2-135M (30 layers, ~500 cached positions each, 2 threads, AMX Xeon) those 480
+calls took half the forward: ~76 us each, where reading the call's keys and values at the
+machine's bandwidth takes ~18 us (``loadtest/results/native-attention/``). Each call pays
+ATen's dispatch and its flash kernel's set-up, and parallelises only over 3 KV heads.
+
+``native_attention.c`` does the same arithmetic (bf16 products accumulated in float32, a
+float32 softmax, bf16 output) for every (session, KV head) of the forward in one OpenMP
+loop on torch's own thread pool, and writes the new keys and values into the slots as it
+goes. Sessions with many new tokens (prefill chunks) still go to torch's flash kernel,
+whose blocked products win there.
+
+It is compiled on first use with the machine's C compiler (``-march=native``: the machine
+that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
+ctypes; no torch headers, so a build takes about half a second. It needs a bfloat16 model
+on a CPU with AVX512-BF16 (every CPU for which the engine picks bf16 has it). Where there
+is no compiler, or the setting says ``off``, the engine keeps the per-session calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from asymspec.backends.hardware import cpu_flags, cpu_model
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_attention.c")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LIBS = ("-lmvec", "-lm")  # glibc's vector math: the softmax's expf, 16 lanes at a time
+# Above this many new tokens per session (prefill chunks) torch's flash kernel is faster:
+# its blocked products beat this kernel's per-query dot products.
+MAX_NEW_TOKENS = 16
+
+
+class NativeAttentionUse(enum.StrEnum):
+    AUTO = "auto"  # where it builds and the model and CPU suit it
+    ON = "on"  # the same, but failing to build is an error
+    OFF = "off"  # torch's attention, one call per session and layer
+
+
+class NativeAttentionSettings(BaseSettings):
+    """Read from the environment (prefix ASYMSPEC_) when an engine is built."""
+
+    model_config = SettingsConfigDict(env_prefix="ASYMSPEC_", extra="ignore")
+
+    native_attention: NativeAttentionUse = Field(
+        NativeAttentionUse.AUTO,
+        description="The native decode/verify attention kernel: auto, on or off.",
+    )
+    kernel_cache: Path = Field(
+        Path.home() / ".cache" / "asymspec" / "kernels",
+        description="Where the native kernel is compiled to (one file per source, CPU and "
+        "compiler).",
+    )
+
+    @property
+    def wanted(self) -> bool:
+        return self.native_attention != NativeAttentionUse.OFF
+
+    @property
+    def required(self) -> bool:
+        return self.native_attention == NativeAttentionUse.ON
+
+
+class NativeAttentionUnavailable(RuntimeError):
+    """The kernel cannot run here (no compiler, no AVX512-BF16, an unsupported model)."""
+
+
+def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
+    """Why this engine cannot use the kernel; None when it can."""
+    if device.type != "cpu":
+        return f"the model is on {device.type}, not a CPU"
+    if dtype != torch.bfloat16:
+        return f"the model is {dtype}, not bfloat16"
+    if "avx512_bf16" not in cpu_flags():
+        return "the CPU lacks AVX512-BF16"
+    if head_dim % 32 != 0 or head_dim > 256:
+        return f"head size {head_dim} is not a multiple of 32 up to 256"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _library_path(cache: Path, compiler: str) -> Path:
+    """The cached build's path: a hash of everything that changes the machine code."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()[:1]
+    key = hashlib.sha256()
+    recipe = " ".join(CFLAGS + LIBS) + " compiled, then linked apart"
+    for part in (SOURCE.read_bytes(), recipe.encode(), *map(str.encode, version)):
+        key.update(part)
+    key.update(cpu_model().encode())
+    key.update(" ".join(sorted(cpu_flags())).encode())
+    return cache / f"native_attention-{key.hexdigest()[:16]}.so"
+
+
+def build(settings: NativeAttentionSettings) -> Path:
+    """Compile the kernel unless this machine's build is cached; returns the library."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeAttentionUnavailable("no C compiler (cc, or $CC) on PATH")
+    cache = settings.kernel_cache.expanduser()
+    library = _library_path(cache, compiler)
+    if library.is_file():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    # Two services may build at once: each writes its own file and renames it into place.
+    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
+    os.close(fd)
+    obj = partial.removesuffix(".so.partial") + ".o"
+    # Compiled and linked apart: linking with -ffast-math would add crtfastmath.o, which on
+    # loading sets flush-to-zero for the whole process (torch's and numpy's arithmetic too).
+    commands = [
+        [compiler, *CFLAGS, "-fPIC", "-c", str(SOURCE), "-o", obj],
+        [compiler, "-shared", "-fopenmp", obj, "-o", partial, *LIBS],
+    ]
+    try:
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                Path(partial).unlink(missing_ok=True)
+                message = f"{' '.join(command)} failed:\n{done.stderr[-2000:]}"
+                raise NativeAttentionUnavailable(message)
+    finally:
+        Path(obj).unlink(missing_ok=True)
+    os.replace(partial, library)
+    log.info("native attention: built %s", library)
+    return library
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+
+
+@dataclass(slots=True)
+class SessionPlan:
+    """The sessions one forward hands the kernel, as the C arrays it reads every layer."""
+
+    count: int
+    row0: np.ndarray  # int64 [count]: each session's first row among the forward's T
+    n_new: np.ndarray
+    base: np.ndarray  # cached positions before this forward
+    slots: np.ndarray  # each slot's data pointer
+    capacity: np.ndarray
+
+
+class NativeAttention:
+    """The loaded kernel. Stateless: one engine's forwards call it from one thread."""
+
+    def __init__(self, library: Path) -> None:
+        self._lib = ctypes.CDLL(str(library))  # after torch: it binds to torch's libgomp
+        attend = self._lib.asymspec_attend_bf16
+        attend.argtypes = [_INT, _P, _P, _P, _P, _P, _INT]
+        attend.argtypes += [_P, _I64, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, ctypes.c_float]
+        attend.argtypes += [_INT]
+        attend.restype = _INT
+        self._attend = attend
+
+    @classmethod
+    def for_engine(
+        cls, dtype: torch.dtype, device: torch.device, head_dim: int, use: bool | None = None
+    ) -> NativeAttention | None:
+        """The kernel if it is wanted and can run here; else None (logged why). ``use``:
+        True requires it, False declines it, None leaves it to the settings."""
+        settings = NativeAttentionSettings()
+        if use is not None:
+            choice = NativeAttentionUse.ON if use else NativeAttentionUse.OFF
+            settings = settings.model_copy(update={"native_attention": choice})
+        if not settings.wanted:
+            return None
+        reason = unsupported_reason(dtype, device, head_dim)
+        try:
+            if reason is not None:
+                raise NativeAttentionUnavailable(reason)
+            return cls(build(settings))
+        except (NativeAttentionUnavailable, OSError) as error:
+            if settings.required:
+                raise
+            log.info("native attention off: %s", str(error).splitlines()[0])
+            return None
+
+    @staticmethod
+    def plan(
+        row0: Sequence[int],
+        n_new: Sequence[int],
+        base: Sequence[int],
+        slots: Sequence[torch.Tensor],
+    ) -> SessionPlan:
+        """``slots``: each session's contiguous [layers, 2, H_kv, capacity, D] bf16 slot,
+        already large enough for base + n_new positions."""
+        for slot in slots:
+            if slot.dtype != torch.bfloat16 or not slot.is_contiguous():
+                raise ValueError("a KV slot must be a contiguous bfloat16 tensor")
+        return SessionPlan(
+            count=len(slots),
+            row0=np.asarray(row0, dtype=np.int64),
+            n_new=np.asarray(n_new, dtype=np.int64),
+            base=np.asarray(base, dtype=np.int64),
+            slots=np.asarray([slot.data_ptr() for slot in slots], dtype=np.int64),
+            capacity=np.asarray([slot.shape[3] for slot in slots], dtype=np.int64),
+        )
+
+    def attend(
+        self,
+        plan: SessionPlan,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Writes the plan's new keys and values into layer ``layer`` of their slots and
+        the attention of their queries into their rows of ``out``.
+
+        ``q`` [T, H, D], ``k_new`` and ``v_new`` [T, H_kv, D]: bf16, each row's heads
+        contiguous (rows may be strided); ``out`` [T, H, D] contiguous bf16.
+        """
+        heads, kv_heads, head_dim = q.shape[1], k_new.shape[1], q.shape[2]
+        for t in (q, k_new, v_new, out):
+            if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise ValueError("q, k_new, v_new and out must be bf16 with contiguous heads")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        rc = self._attend(
+            plan.count,
+            plan.row0.ctypes.data,
+            plan.n_new.ctypes.data,
+            plan.base.ctypes.data,
+            plan.slots.ctypes.data,
+            plan.capacity.ctypes.data,
+            layer,
+            q.data_ptr(),
+            q.stride(0),
+            k_new.data_ptr(),
+            k_new.stride(0),
+            v_new.data_ptr(),
+            v_new.stride(0),
+            out.data_ptr(),
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"native attention failed ({rc}): out of memory or bad shapes")
