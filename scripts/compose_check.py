@@ -11,7 +11,8 @@ Steps, each timed; the first failure is named and ends the run (teardown always 
 4. build     every project image FROM that base (docker/compose.local.yaml), torch from the
              host's wheel folder ($PIP_FIND_LINKS) served to the build over the bridge
 5. up        `docker compose up --wait` (Prometheus from Debian's package, no Grafana)
-6. health    /health of the edge (published port) and of the cloud (inside its container)
+6. health    /health of the edge (published port) and of the cloud (inside its container);
+             each engine as it logged itself (native attention where the CPU has AVX512-BF16)
 7. chat      the official `openai` client streams a chat through the edge
 8. link      both sidecars switched live (PUT /profile/...), each direction's rate measured
              across the shaped `wan` network from inside the containers, for two profiles
@@ -285,6 +286,22 @@ def check_health() -> str:
     return f"edge {json.dumps(edge)[:200]}; cloud {cloud[:200]}"
 
 
+def check_engines() -> str:
+    """Both services' engines, as they logged them at start-up. On a CPU with AVX512-BF16
+    each must have compiled its native attention kernel in its container (gcc is in the
+    images for that); elsewhere they keep torch's attention."""
+    logs = sh(compose("logs", "--no-color", "cloud-verifier", "edge-gateway"))
+    engines = [
+        line.split("LlamaEngine: ", 1)[1] for line in logs.splitlines() if "layers, " in line
+    ]
+    if len(engines) != 2:
+        raise RuntimeError(f"expected one LlamaEngine line per service, got {engines}")
+    avx512_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    if avx512_bf16 and not all(line.endswith("native attention") for line in engines):
+        raise RuntimeError(f"an engine runs without its native attention kernel: {engines}")
+    return "; ".join(engines)
+
+
 def check_chat() -> str:
     from openai import OpenAI  # the project's dev extra
 
@@ -431,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             sh(compose("up", "-d", "--wait", "--wait-timeout", "900"), capture=False)
         with report.step("6 health"):
             report.say("    " + check_health())
+            report.say("    engines: " + check_engines())
         with report.step("7 chat (openai client, streaming)"):
             report.say("    " + check_chat())
         with report.step("8 link profiles switched live, rates across wan"):
