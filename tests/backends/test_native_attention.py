@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,21 @@ def _bf16(generator: torch.Generator, *shape: int, std: float = 1.0) -> torch.Te
     return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def native_path(request: pytest.FixtureRequest, native: NativeAttention) -> Iterator[str]:
+    """Each score path the machine can run: AMX tiles where it has them, and always the
+    AVX512-BF16 dot products."""
+    native.allow_amx(request.param == "amx")
+    if request.param == "amx" and not native.uses_amx:
+        pytest.skip("no AMX here")
+    yield request.param
+    native.allow_amx(True)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("n_new", [1, 3, 16])
 def test_the_kernel_is_as_accurate_as_torch_flash_attention(
-    native: NativeAttention, head_dim: int, n_new: int
+    native: NativeAttention, native_path: str, head_dim: int, n_new: int
 ) -> None:
     """Ragged sessions (1 to 700 cached positions, so 16-key blocks end mid-way), queries
     in strided rows; against float64 attention of the same bf16 inputs, the kernel's

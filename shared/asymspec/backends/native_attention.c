@@ -23,7 +23,56 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
 #define MAX_CHUNKS 8 /* D up to 256 */
+
+/* AMX, where the compiler targets it and the kernel lets this process use tile data (an
+ * arch_prctl request; oneDNN makes the same one): each 16-key block's scores for 16
+ * queries are then two tile products instead of 32 vdpbf16ps per query. */
+static int amx_state = -1; /* -1 unknown, 0 off, 1 on */
+
+int asymspec_attention_uses_amx(void) {
+#if HAVE_AMX
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                           18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_state;
+#else
+    return 0;
+#endif
+}
+
+/* Tests compare both score paths on the same inputs. */
+void asymspec_attention_allow_amx(int allow) {
+    amx_state = allow ? -1 : 0;
+}
+
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0: 16 queries x 16 keys of float32 scores; tmm1: 16 queries x 32 dimensions; tmm2:
+ * 16 pairs of dimensions x 16 keys (the transposed block: AMX's pair-interleaved B). */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 3; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
 #define QUERY_BLOCK 6 /* queries whose outputs stay in registers through the value pass */
 
 static inline uint16_t f32_to_bf16(float f) {
@@ -66,10 +115,12 @@ static inline void transpose_16x16(__m512i r[16]) {
 }
 
 /* One (session, KV head): nq = g * n queries, row j * g + m is query j of group member m.
- * S holds nq rows (rounded up to 4) of L rounded up to 16 floats. */
+ * S holds nq rows (rounded up to 16) of L rounded up to 16 floats; Q (AMX only) the
+ * queries' rows back to back, as many. Scores are unscaled until the softmax. */
 static inline __attribute__((always_inline)) void attend_item(
     const uint16_t* const* q_rows, int nq, int g, const uint16_t* K, const uint16_t* V,
-    int64_t base, int64_t L, const int D, float scale, float* S, uint16_t* const* out_rows) {
+    int64_t base, int64_t L, const int D, float scale, float* S, const uint16_t* Q, int amx,
+    uint16_t* const* out_rows) {
     const int chunks = D / 32, lanes = D / 16;
     const int64_t stride = (L + 15) / 16 * 16;
     /* Scores, 16 keys at a time: the block's keys transposed into pairs of dimensions
@@ -89,10 +140,26 @@ static inline __attribute__((always_inline)) void attend_item(
             transpose_16x16(r);
             for (int p = 0; p < 16; p++) kt[16 * c + p] = r[p];
         }
+#if HAVE_AMX
+        if (amx) {
+            for (int i = 0; i < nq; i += 16) {
+                _tile_zero(0);
+                for (int c = 0; c < chunks; c++) {
+                    _tile_loadd(1, Q + (int64_t)i * D + 32 * c, D * 2);
+                    _tile_loadd(2, &kt[16 * c], 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, S + i * stride + t0, stride * 4);
+            }
+            continue;
+        }
+#else
+        (void)Q;
+        (void)amx;
+#endif
         /* Four queries at a time, two accumulators each: eight independent chains of
          * vdpbf16ps, whose latency would otherwise bind (q_rows has nq rounded up to 4
          * entries, the last repeated, and S as many rows). */
-        const __m512 scaling = _mm512_set1_ps(scale);
         for (int i = 0; i < nq; i += 4) {
             const uint32_t* q0 = (const uint32_t*)q_rows[i];
             const uint32_t* q1 = (const uint32_t*)q_rows[i + 1];
@@ -111,10 +178,10 @@ static inline __attribute__((always_inline)) void attend_item(
                 b2 = _mm512_dpbf16_ps(b2, (__m512bh)_mm512_set1_epi32((int)q2[p + 1]), odd);
                 b3 = _mm512_dpbf16_ps(b3, (__m512bh)_mm512_set1_epi32((int)q3[p + 1]), odd);
             }
-            _mm512_storeu_ps(S + (i + 0) * stride + t0, _mm512_mul_ps(_mm512_add_ps(a0, b0), scaling));
-            _mm512_storeu_ps(S + (i + 1) * stride + t0, _mm512_mul_ps(_mm512_add_ps(a1, b1), scaling));
-            _mm512_storeu_ps(S + (i + 2) * stride + t0, _mm512_mul_ps(_mm512_add_ps(a2, b2), scaling));
-            _mm512_storeu_ps(S + (i + 3) * stride + t0, _mm512_mul_ps(_mm512_add_ps(a3, b3), scaling));
+            _mm512_storeu_ps(S + (i + 0) * stride + t0, _mm512_add_ps(a0, b0));
+            _mm512_storeu_ps(S + (i + 1) * stride + t0, _mm512_add_ps(a1, b1));
+            _mm512_storeu_ps(S + (i + 2) * stride + t0, _mm512_add_ps(a2, b2));
+            _mm512_storeu_ps(S + (i + 3) * stride + t0, _mm512_add_ps(a3, b3));
         }
     }
     for (int i = 0; i < nq; i++) {
@@ -124,7 +191,7 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t t = 0; t < seen; t++) top = s[t] > top ? s[t] : top;
         float sum = 0.f;
         for (int64_t t = 0; t < seen; t++) {
-            const float e = expf(s[t] - top);
+            const float e = expf((s[t] - top) * scale);
             s[t] = e;
             sum += e;
         }
@@ -159,13 +226,13 @@ static inline __attribute__((always_inline)) void attend_item(
  * accumulators in registers. */
 static void attend_item_any(const uint16_t* const* q_rows, int nq, int g, const uint16_t* K,
                             const uint16_t* V, int64_t base, int64_t L, int D, float scale,
-                            float* S, uint16_t* const* out_rows) {
+                            float* S, const uint16_t* Q, int amx, uint16_t* const* out_rows) {
     if (D == 64)
-        attend_item(q_rows, nq, g, K, V, base, L, 64, scale, S, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, 64, scale, S, Q, amx, out_rows);
     else if (D == 128)
-        attend_item(q_rows, nq, g, K, V, base, L, 128, scale, S, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, 128, scale, S, Q, amx, out_rows);
     else
-        attend_item(q_rows, nq, g, K, V, base, L, D, scale, S, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, D, scale, S, Q, amx, out_rows);
 }
 
 /* 0 on success; -1 for a head size this kernel does not take; -2 when memory ran out. */
@@ -175,7 +242,7 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
                          int64_t k_stride, const uint16_t* v_new, int64_t v_stride,
                          uint16_t* out, int H, int H_kv, int D, float scale, int n_threads) {
     if (D % 32 != 0 || D > 32 * MAX_CHUNKS || H % H_kv != 0) return -1;
-    const int g = H / H_kv;
+    const int g = H / H_kv, amx = asymspec_attention_uses_amx();
     for (int b = 0; b < n_sessions; b++) {
         uint16_t* slot = (uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
         for (int64_t j = 0; j < n[b]; j++) {
@@ -193,27 +260,33 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
 #pragma omp parallel num_threads(n_threads)
     {
         float* S = NULL;
+        uint16_t* Q = NULL;
         const uint16_t** q_rows = NULL;
         uint16_t** out_rows = NULL;
         int64_t s_capacity = 0, rows_capacity = 0;
+#if HAVE_AMX
+        if (amx) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             const int b = it / H_kv, h = it % H_kv;
             const int64_t L = base[b] + n[b];
-            const int nq = (int)(g * n[b]), padded = (nq + 3) / 4 * 4;
+            const int nq = (int)(g * n[b]), padded = (nq + 15) / 16 * 16;
             if (padded * (L + 15) > s_capacity) {
                 free(S);
                 s_capacity = padded * (L + 15);
                 S = malloc(sizeof(float) * (size_t)s_capacity);
             }
             if (padded > rows_capacity) {
+                free(Q);
                 free(q_rows);
                 free(out_rows);
                 rows_capacity = padded;
+                Q = calloc((size_t)padded * (size_t)D, sizeof(uint16_t));
                 q_rows = malloc(sizeof(void*) * (size_t)padded);
                 out_rows = malloc(sizeof(void*) * (size_t)padded);
             }
-            if (S == NULL || q_rows == NULL || out_rows == NULL) {
+            if (S == NULL || Q == NULL || q_rows == NULL || out_rows == NULL) {
 #pragma omp atomic write
                 failed = 1;
                 s_capacity = rows_capacity = 0;
@@ -226,12 +299,18 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
                     out_rows[j * g + m] = out + (r * H + head) * D;
                 }
             for (int i = nq; i < padded; i++) q_rows[i] = q_rows[nq - 1];
+            if (amx) /* the tile loads want the queries' rows at one stride */
+                for (int i = 0; i < padded; i++) memcpy(Q + (int64_t)i * D, q_rows[i], (size_t)D * 2);
             const uint16_t* slot = (const uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
             const uint16_t* K = slot + (int64_t)h * cap[b] * D;
             const uint16_t* V = slot + (int64_t)(H_kv + h) * cap[b] * D;
-            attend_item_any(q_rows, nq, g, K, V, base[b], L, D, scale, S, out_rows);
+            attend_item_any(q_rows, nq, g, K, V, base[b], L, D, scale, S, Q, amx, out_rows);
         }
+#if HAVE_AMX
+        if (amx) _tile_release(); /* oneDNN configures the tiles afresh for its own kernels */
+#endif
         free(S);
+        free(Q);
         free(q_rows);
         free(out_rows);
     }

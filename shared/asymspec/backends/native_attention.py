@@ -13,6 +13,9 @@ loop on torch's own thread pool, and writes the new keys and values into the slo
 goes. Sessions with many new tokens (prefill chunks) still go to torch's flash kernel,
 whose blocked products win there.
 
+The scores (queries against keys) run on AMX tiles where the CPU has them, else as
+AVX512-BF16 dot products on keys transposed 16 at a time; the value sums are float32 FMAs.
+
 It is compiled on first use with the machine's C compiler (``-march=native``: the machine
 that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
 ctypes; no torch headers, so a build takes about half a second. It needs a bfloat16 model
@@ -178,6 +181,19 @@ class NativeAttention:
         attend.argtypes += [_INT]
         attend.restype = _INT
         self._attend = attend
+        self._lib.asymspec_attention_uses_amx.restype = _INT
+        self._lib.asymspec_attention_allow_amx.argtypes = [_INT]
+        log.info("native attention: scores on %s", "AMX tiles" if self.uses_amx else "AVX512-BF16")
+
+    @property
+    def uses_amx(self) -> bool:
+        """Whether the scores go through AMX tiles (compiled for them and allowed by the
+        kernel); otherwise AVX512-BF16 dot products."""
+        return bool(self._lib.asymspec_attention_uses_amx())
+
+    def allow_amx(self, allow: bool) -> None:
+        """Tests: the AVX512-BF16 path on a machine that has AMX (False), or back."""
+        self._lib.asymspec_attention_allow_amx(int(allow))
 
     @classmethod
     def for_engine(
