@@ -60,13 +60,16 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tmm0: 16 queries x 16 keys of float32 scores; tmm1: 16 queries x 32 dimensions; tmm2:
- * 16 pairs of dimensions x 16 keys (the transposed block: AMX's pair-interleaved B). */
+/* All eight tiles 16 rows x 64 bytes. Scores: tmm0 16 queries x 16 keys (float32), tmm1
+ * 16 queries x 32 dimensions, tmm2 16 pairs of dimensions x 16 keys (the transposed block:
+ * AMX's pair-interleaved B). Values: tmm0-3 16 queries x 64 dimensions (float32), tmm4
+ * and tmm5 the weights' high and low bf16 parts for 16 queries x 32 keys, tmm6 16 pairs
+ * of keys x 16 dimensions. */
 static void configure_tiles(void) {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette_id = 1;
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 8; t++) {
         config.rows[t] = 16;
         config.colsb[t] = 64;
     }
@@ -114,15 +117,109 @@ static inline void transpose_16x16(__m512i r[16]) {
     }
 }
 
+#if HAVE_AMX
+/* Output rows = weights x V on tiles, 16 queries and 64 dimensions at a time. Each weight
+ * goes in as two bf16 parts (hi = bf16(w), lo = bf16(w - hi)), both multiplied and summed
+ * in float32: 16 of its 24 bits, where one part alone would keep 8 and lose accuracy
+ * against torch's float32 weights. V's rows are interleaved in pairs of keys per
+ * dimension (AMX's B layout) once per 32-key block, for all query groups. */
+static void weigh_values_amx(int nq, int padded, const uint16_t* V, int64_t L, const int D,
+                             const float* S, int64_t stride, uint16_t* P, uint16_t* pairs,
+                             uint16_t* const* out_rows) {
+    /* the weights' parts: P rows [hi (stride), lo (stride)] per query, padding included */
+    for (int i = 0; i < padded; i++)
+        for (int64_t t = 0; t < stride; t += 16) {
+            const __m512 w = _mm512_loadu_ps(S + i * stride + t);
+            const __m256bh hi = _mm512_cvtneps_pbh(w);
+            const __m512 back = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+            _mm256_storeu_si256((__m256i*)(P + 2 * i * stride + t), (__m256i)hi);
+            _mm256_storeu_si256((__m256i*)(P + (2 * i + 1) * stride + t),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(w, back)));
+        }
+    /* element 2d of an interleaved row: key 2k's dimension d; 2d + 1: key 2k + 1's */
+    __m512i low_index, high_index;
+    {
+        uint16_t lo[32], hi[32];
+        for (int d = 0; d < 16; d++) {
+            lo[2 * d] = (uint16_t)d;
+            lo[2 * d + 1] = (uint16_t)(32 + d);
+            hi[2 * d] = (uint16_t)(16 + d);
+            hi[2 * d + 1] = (uint16_t)(48 + d);
+        }
+        low_index = _mm512_loadu_si512(lo);
+        high_index = _mm512_loadu_si512(hi);
+    }
+    static const uint16_t zero_row[32 * MAX_CHUNKS];
+    float o[16 * 64];
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int tiles = D - d0 < 64 ? (D - d0) / 16 : 4;
+        for (int q0 = 0; q0 < nq; q0 += 16) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t0 = 0; t0 < L; t0 += 32) {
+                if (q0 == 0) /* the block's pairs: pairs[j] is tile j's 16 rows x 32 */
+                    for (int k = 0; k < 16; k++) {
+                        const int64_t t = t0 + 2 * k;
+                        const uint16_t* r0 = t < L ? V + t * D + d0 : zero_row;
+                        const uint16_t* r1 = t + 1 < L ? V + (t + 1) * D + d0 : zero_row;
+                        for (int c = 0; c < tiles; c += 2) {
+                            const __m512i a = _mm512_loadu_si512(r0 + 16 * c);
+                            const __m512i b = _mm512_loadu_si512(r1 + 16 * c);
+                            _mm512_storeu_si512(pairs + ((t0 / 32) * 4 + c) * 512 + k * 32,
+                                                _mm512_permutex2var_epi16(a, low_index, b));
+                            _mm512_storeu_si512(pairs + ((t0 / 32) * 4 + c + 1) * 512 + k * 32,
+                                                _mm512_permutex2var_epi16(a, high_index, b));
+                        }
+                    }
+                /* query i's hi row starts at P + 2 i stride: rows 4 stride bytes apart */
+                _tile_loadd(4, P + 2 * q0 * stride + t0, (long)stride * 4);
+                _tile_loadd(5, P + (2 * q0 + 1) * stride + t0, (long)stride * 4);
+                const uint16_t* block = pairs + (t0 / 32) * 4 * 512;
+                /* tile numbers must be constants: one line per output tile */
+                _tile_loadd(6, block, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(0, 5, 6);
+                if (tiles > 1) {
+                    _tile_loadd(6, block + 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(6, block + 2 * 512, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(6, block + 3 * 512, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                    _tile_dpbf16ps(3, 5, 6);
+                }
+            }
+            _tile_stored(0, o, 256);
+            _tile_stored(1, o + 16, 256);
+            _tile_stored(2, o + 32, 256);
+            _tile_stored(3, o + 48, 256);
+            for (int i = 0; i < 16 && q0 + i < nq; i++)
+                for (int d = 0; d < 16 * tiles; d++) out_rows[q0 + i][d0 + d] = f32_to_bf16(o[i * 64 + d]);
+        }
+    }
+}
+#endif
+
 /* One (session, KV head): nq = g * n queries, row j * g + m is query j of group member m.
- * S holds nq rows (rounded up to 16) of L rounded up to 16 floats; Q (AMX only) the
- * queries' rows back to back, as many. Scores are unscaled until the softmax. */
+ * S holds nq rows (rounded up to 16) of L rounded up to 32 floats. AMX only: Q the
+ * queries' rows back to back, as many; P twice S's count of bf16 weights; pairs
+ * (L / 32 rounded up) x 2048 bf16 of interleaved values. Scores are unscaled until the
+ * softmax. */
 static inline __attribute__((always_inline)) void attend_item(
     const uint16_t* const* q_rows, int nq, int g, const uint16_t* K, const uint16_t* V,
-    int64_t base, int64_t L, const int D, float scale, float* S, const uint16_t* Q, int amx,
-    uint16_t* const* out_rows) {
+    int64_t base, int64_t L, const int D, float scale, float* S, const uint16_t* Q,
+    uint16_t* P, uint16_t* pairs, int amx, uint16_t* const* out_rows) {
     const int chunks = D / 32, lanes = D / 16;
-    const int64_t stride = (L + 15) / 16 * 16;
+    const int64_t stride = (L + 31) / 32 * 32;
     /* Scores, 16 keys at a time: the block's keys transposed into pairs of dimensions
      * (kt[p] lane t = dimensions 2p, 2p + 1 of key t), so that each query's 16 scores
      * accumulate lane-wise from its broadcast pairs, with no horizontal sums. */
@@ -155,6 +252,8 @@ static inline __attribute__((always_inline)) void attend_item(
         }
 #else
         (void)Q;
+        (void)P;
+        (void)pairs;
         (void)amx;
 #endif
         /* Four queries at a time, two accumulators each: eight independent chains of
@@ -197,8 +296,14 @@ static inline __attribute__((always_inline)) void attend_item(
         }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < seen; t++) s[t] *= inv;
-        for (int64_t t = seen; t < L; t++) s[t] = 0.f;
+        for (int64_t t = seen; t < stride; t++) s[t] = 0.f;
     }
+#if HAVE_AMX
+    if (amx && nq > QUERY_BLOCK) { /* one FMA pass is faster for a block or less */
+        weigh_values_amx(nq, (nq + 15) / 16 * 16, V, L, D, S, stride, P, pairs, out_rows);
+        return;
+    }
+#endif
     for (int q0 = 0; q0 < nq; q0 += QUERY_BLOCK) {
         const int block = nq - q0 < QUERY_BLOCK ? nq - q0 : QUERY_BLOCK;
         __m512 acc[QUERY_BLOCK][2 * MAX_CHUNKS];
@@ -226,13 +331,14 @@ static inline __attribute__((always_inline)) void attend_item(
  * accumulators in registers. */
 static void attend_item_any(const uint16_t* const* q_rows, int nq, int g, const uint16_t* K,
                             const uint16_t* V, int64_t base, int64_t L, int D, float scale,
-                            float* S, const uint16_t* Q, int amx, uint16_t* const* out_rows) {
+                            float* S, const uint16_t* Q, uint16_t* P, uint16_t* pairs, int amx,
+                            uint16_t* const* out_rows) {
     if (D == 64)
-        attend_item(q_rows, nq, g, K, V, base, L, 64, scale, S, Q, amx, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, 64, scale, S, Q, P, pairs, amx, out_rows);
     else if (D == 128)
-        attend_item(q_rows, nq, g, K, V, base, L, 128, scale, S, Q, amx, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, 128, scale, S, Q, P, pairs, amx, out_rows);
     else
-        attend_item(q_rows, nq, g, K, V, base, L, D, scale, S, Q, amx, out_rows);
+        attend_item(q_rows, nq, g, K, V, base, L, D, scale, S, Q, P, pairs, amx, out_rows);
 }
 
 /* 0 on success; -1 for a head size this kernel does not take; -2 when memory ran out. */
@@ -272,10 +378,12 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
             const int b = it / H_kv, h = it % H_kv;
             const int64_t L = base[b] + n[b];
             const int nq = (int)(g * n[b]), padded = (nq + 15) / 16 * 16;
-            if (padded * (L + 15) > s_capacity) {
+            if (padded * (L + 31) > s_capacity) {
+                /* S (4 bytes each), then (AMX) P (2 x 2 bytes) and the interleaved values:
+                 * 4096 bytes per 32 keys <= 8 bytes per S entry, as padded >= 16. */
                 free(S);
-                s_capacity = padded * (L + 15);
-                S = malloc(sizeof(float) * (size_t)s_capacity);
+                s_capacity = padded * (L + 31);
+                S = malloc(16 * (size_t)s_capacity);
             }
             if (padded > rows_capacity) {
                 free(Q);
@@ -304,7 +412,10 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
             const uint16_t* slot = (const uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
             const uint16_t* K = slot + (int64_t)h * cap[b] * D;
             const uint16_t* V = slot + (int64_t)(H_kv + h) * cap[b] * D;
-            attend_item_any(q_rows, nq, g, K, V, base[b], L, D, scale, S, Q, amx, out_rows);
+            uint16_t* P = (uint16_t*)(S + s_capacity);
+            uint16_t* pairs = P + 2 * s_capacity;
+            attend_item_any(q_rows, nq, g, K, V, base[b], L, D, scale, S, Q, P, pairs, amx,
+                            out_rows);
         }
 #if HAVE_AMX
         if (amx) _tile_release(); /* oneDNN configures the tiles afresh for its own kernels */
