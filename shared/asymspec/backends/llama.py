@@ -447,6 +447,7 @@ class LlamaEngine(SessionTable[_Session]):
         # per layer for all of them; the rest (prefill chunks) to torch's flash attention.
         native = self.native_attention
         small = [] if native is None else [b for b, n in enumerate(counts) if n <= MAX_NEW_TOKENS]
+        large = [b for b in range(len(batch)) if b not in small]
         plan = None
         if native is not None and small:
             plan = native.plan(
@@ -455,7 +456,6 @@ class LlamaEngine(SessionTable[_Session]):
                 [sessions[b].length for b in small],
                 [slots[b] for b in small],
             )
-        large = sorted(set(range(len(batch))) - set(small))
         # Per session, views into its slot made once per forward, not once per layer (on a
         # CPU each view costs about a microsecond of Python, and a forward has B x layers).
         writes, keys, values, masks = {}, {}, {}, {}
