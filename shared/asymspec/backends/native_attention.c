@@ -12,9 +12,11 @@
  * 0 .. base[b] + j (query j). Work items are (session, KV head), spread over n_threads
  * OpenMP threads (the runtime torch loaded, so the two share one pool).
  *
- * Scores are bf16 x bf16 dot products accumulated in float32 (vdpbf16ps), the softmax and
- * the value sum are float32, the output is rounded to bfloat16 (nearest even): the
- * precision of torch's CPU flash attention on the same inputs.
+ * Scores are bf16 x bf16 products accumulated in float32 (AMX tiles, else vdpbf16ps); the
+ * softmax is float32; the value sums are float32 FMAs, or for more than QUERY_BLOCK
+ * queries AMX products of the weights split into two bf16 parts (16 of their 24 bits); the
+ * output is rounded to bfloat16 (nearest even). Against float64, as accurate as torch's
+ * CPU flash attention on the same inputs.
  */
 #include <immintrin.h>
 #include <float.h>

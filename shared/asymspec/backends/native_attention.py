@@ -14,7 +14,9 @@ goes. Sessions with many new tokens (prefill chunks) still go to torch's flash k
 whose blocked products win there.
 
 The scores (queries against keys) run on AMX tiles where the CPU has them, else as
-AVX512-BF16 dot products on keys transposed 16 at a time; the value sums are float32 FMAs.
+AVX512-BF16 dot products on keys transposed 16 at a time. The value sums are float32 FMAs
+for a decode step's few queries; for a verify block's, AMX tile products of the weights
+split into two bf16 parts.
 
 It is compiled on first use with the machine's C compiler (``-march=native``: the machine
 that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
