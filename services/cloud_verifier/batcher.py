@@ -259,7 +259,9 @@ class Batcher:
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 self._between_blocks.pop(job.session.key, None)  # here, or closing
                 work.append(job)
-            self._generating = [g for g in self._generating if not g.abandoned]
+            for gone in [g for g in self._generating if g.abandoned]:
+                gone.job.session.generating = False
+                self._generating.remove(gone)
             work += [g.job for g in self._generating]
             chunks = self._next_chunks(sum(job.rows for job in work) or self._due_rows(started))
             self._in_flight = work  # so that a death fails them too
@@ -285,6 +287,7 @@ class Batcher:
                 return
         # A session closed under it (the edge's request went away) just ends it: nobody is
         # waiting for an error frame about a session the edge itself closed.
+        generation.job.session.generating = False  # before its edge sees the last token
         generation.end(None if ok or isinstance(value, SessionClosed) else value)
         self._generating.remove(generation)
 
@@ -363,7 +366,11 @@ class Batcher:
             else:
                 live.append(i)
         if self.threads is not None:  # set on this (the worker) thread, which runs forwards
-            wanted = self.threads.for_sessions(self.target.lm.sessions())
+            wanted = self.threads.for_round(
+                self.target.lm.sessions(),
+                cloud_decodes_alone=any(j.generates for j in jobs)
+                and not any(j.verifies for j in jobs),
+            )
             if wanted != torch.get_num_threads():
                 torch.set_num_threads(wanted)
         with torch.inference_mode():

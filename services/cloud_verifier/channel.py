@@ -269,8 +269,11 @@ class ChannelServer:
         await conn.send(CorrectionResponse(msg.block, payload))
 
     async def _generate(self, conn: _Connection, msg: GenerateRequest) -> None:
-        """Target-only decoding (SPADE's Target baseline), one token per frame."""
+        """The cloud decodes the session alone, one token per frame: target-only mode
+        (SPADE's Target baseline), or a speculative session while its edge has paused
+        speculation."""
         session = self._session(conn, msg.session_id)
+        session.admit_generation(msg.committed_tail)
         stop = {int(t) for t in msg.stop_token_ids}
         sent = 0
         # aclosing: a failed send ends the generation now, not when the generator is collected

@@ -35,6 +35,7 @@ from asymspec.wire import (
     ErrorCode,
     Payload,
     SamplingConfig,
+    TokenIds,
     VerifyBlock,
     VerifyBlockFull,
     VerifyResult,
@@ -61,6 +62,7 @@ class Session:
     last_block: BlockId | None = None
     last_result: VerifyResult | None = None
     open_block: bool = False  # a block is being verified (confirmed-prefix invariant)
+    generating: bool = False  # the cloud decodes it alone (GenerateRequest) until it ends
     awaiting_recovery: bool = False  # rejected: the edge commits the recovered token
     retained_row: torch.Tensor | None = None  # [V] p at the rejected position
     answers: dict[int, Payload] = field(default_factory=dict)  # rung index -> answer
@@ -93,18 +95,15 @@ class Session:
             return self.last_result  # a retransmission: same verdict, same random outcomes
         if block == self.last_block or self.open_block:
             raise WireError(ErrorCode.DUPLICATE, f"block {block.seq} is already being verified")
+        if self.generating:
+            raise WireError(ErrorCode.STALE_BLOCK, "the session is being decoded by the cloud")
         if block.config_digest != self.digest:
             raise WireError(ErrorCode.STALE_BLOCK, "block sampling config differs from session")
         if block.seq != self.last_seq + 1:
             raise WireError(
                 ErrorCode.STALE_BLOCK, f"block seq {block.seq}, expected {self.last_seq + 1}"
             )
-        tail = [int(t) for t in msg.committed_tail]
-        if len(tail) != int(self.awaiting_recovery):
-            raise WireError(
-                ErrorCode.STALE_BLOCK,
-                f"committed tail of {len(tail)} tokens; expected {int(self.awaiting_recovery)}",
-            )
+        tail = self._tail(msg.committed_tail)
         if block.base_len != len(self.confirmed) + len(tail):
             raise WireError(
                 ErrorCode.STALE_BLOCK,
@@ -114,6 +113,27 @@ class Session:
         self.commit_recovered(tail)
         self.open_block = True
         return None
+
+    def admit_generation(self, committed_tail: TokenIds) -> None:
+        """The edge hands the session to the cloud's own decoding (target-only mode, or
+        speculation paused): no block or generation may be under way, and the edge's
+        recovered token, where one is awaited, comes with it. The batcher clears
+        ``generating`` when the generation ends."""
+        if self.open_block or self.generating:
+            raise WireError(ErrorCode.DUPLICATE, "a block or a generation is under way")
+        self.commit_recovered(self._tail(committed_tail))
+        self.generating = True
+
+    def _tail(self, committed_tail: TokenIds) -> list[int]:
+        """The recovered token a rejection left the edge to commit: exactly one if the
+        session awaits it, else none."""
+        tail = [int(t) for t in committed_tail]
+        if len(tail) != int(self.awaiting_recovery):
+            raise WireError(
+                ErrorCode.STALE_BLOCK,
+                f"committed tail of {len(tail)} tokens; expected {int(self.awaiting_recovery)}",
+            )
+        return tail
 
     def commit_recovered(self, tail: list[int]) -> None:
         """The edge's recovered token (from the next block's tail) joins the prefix."""

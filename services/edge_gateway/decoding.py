@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +51,11 @@ from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
 _NO_TAIL = np.zeros(0, dtype=np.uint32)
+
+# While speculation is paused, a request asks the cloud for this many tokens at a time, then
+# looks at the batch again: long enough that the ask's round trip is rare, short enough
+# that a request resumes speculating soon after the batch shrinks.
+GENERATE_CHUNK_TOKENS = 16
 
 
 def _seed(request: GenerationRequest) -> int:
@@ -251,28 +256,67 @@ class _RequestState:
             self.engine.metrics.fidelity_spent_per_request.observe(self.budget.spent)
 
     async def _blocks(self) -> AsyncIterator[list[int]]:
-        limit = self.request.max_new_tokens
+        limit, stop_ids = self.request.max_new_tokens, self.request.stop_token_ids
         while self.produced < limit:
             try:
-                new_tokens = await self._one_block(
-                    max(1, min(self._next_gamma(), limit - self.produced - 1))
-                )
+                next_tokens = self._next_tokens(limit - self.produced)
+                async with contextlib.aclosing(next_tokens) as batches:
+                    async for new_tokens in batches:
+                        out = new_tokens[: limit - self.produced]
+                        stop_at = next((i for i, t in enumerate(out) if t in stop_ids), None)
+                        if stop_at is not None:
+                            out = out[: stop_at + 1]
+                        self.produced += len(out)
+                        yield out
+                        if stop_at is not None:
+                            return
             except ChannelDown:
                 await self._reopen()
-                continue
             except CloudError as exc:
                 if exc.code != ErrorCode.UNKNOWN_SESSION:
                     raise
                 await self._reopen()  # the cloud restarted between two of our frames
-                continue
-            out = new_tokens[: limit - self.produced]
-            stop_at = next((i for i, t in enumerate(out) if t in self.request.stop_token_ids), None)
-            if stop_at is not None:
-                out = out[: stop_at + 1]
-            self.produced += len(out)
-            yield out
-            if stop_at is not None:
-                return
+
+    async def _next_tokens(self, remaining: int) -> AsyncGenerator[list[int], None]:
+        """One block's tokens, or, while speculation is paused (the edge's batch is above
+        ``speculative_disable_by_batch_size``), up to `GENERATE_CHUNK_TOKENS` the cloud
+        decodes alone, as they come."""
+        engine = self.engine
+        if self.next_draft is None and not engine.settings.speculates_at(engine.scheduler.active):
+            decoded = self._cloud_decoded(min(GENERATE_CHUNK_TOKENS, remaining))
+            async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
+                async for token in tokens:
+                    yield [token]
+            return
+        yield await self._one_block(max(1, min(self._next_gamma(), remaining - 1)))
+
+    async def _cloud_decoded(self, max_tokens: int) -> AsyncGenerator[int, None]:
+        """Speculation paused: the cloud samples the next ``max_tokens`` from p alone (its
+        generation joins the verify rounds, as a target-only one does) and streams them.
+        The draft's cache falls behind; the next block feeds it what it missed."""
+        channel, metrics = self.channel, self.engine.metrics
+        stop = np.asarray(sorted(self.request.stop_token_ids), dtype=np.uint32)
+        tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
+        queue = channel.stream(self.session_id)
+        try:
+            await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
+            self.tail = []  # the cloud has it now
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), channel.reply_timeout_s)
+                except TimeoutError:
+                    waited_s = channel.reply_timeout_s
+                    raise ReplyTimeout(f"no tokens from {channel.url} in {waited_s} s") from None
+                if isinstance(item, Exception):
+                    raise item
+                for token in (int(t) for t in item.tokens):
+                    self.confirmed.append(token)
+                    metrics.cloud_decoded_tokens.inc()
+                    yield token
+                if item.done:
+                    return
+        finally:
+            channel.end_stream(self.session_id)
 
     async def _reopen(self) -> None:
         """The session's replica went away mid-request: open the session again from the
@@ -539,7 +583,7 @@ class TargetOnlyEngine:
         prompt = np.asarray([*request.prompt_ids, *produced], dtype=np.uint32)
         await channel.open_session(OpenSession(session_id, prompt, config))
         remaining = request.max_new_tokens - len(produced)
-        await channel.send(GenerateRequest(session_id, remaining, stop))
+        await channel.send(GenerateRequest(session_id, remaining, stop, _NO_TAIL))
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), channel.reply_timeout_s)

@@ -93,6 +93,7 @@ class EdgeMetrics:
     | edge_busy | asymspec_edge_busy_seconds_total | s | engine |
     | edge_idle | asymspec_edge_idle_seconds_total | s | engine |
     | wasted_draft_tokens | asymspec_wasted_draft_tokens_total | tokens (runahead) | engine |
+    | cloud_decoded_tokens | asymspec_cloud_decoded_tokens_total | tokens (paused) | engine |
     | cloud_connected | asymspec_cloud_connected | connected replicas (0/1 with one) | channel |
     | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
     | requests_rejected | asymspec_request_rejected_total | reason=auth/overload/slow_body | app |
@@ -128,6 +129,7 @@ class EdgeMetrics:
     edge_busy: Counter
     edge_idle: Counter
     wasted_draft_tokens: Counter
+    cloud_decoded_tokens: Counter
     cloud_connected: Gauge
     session_reopens: Counter
     requests_rejected: Family[Counter]
@@ -260,6 +262,11 @@ class EdgeMetrics:
             wasted_draft_tokens=f.counter(
                 "asymspec_wasted_draft_tokens_total",
                 "Draft tokens computed and thrown away (runahead from an unconfirmed prefix).",
+            ),
+            cloud_decoded_tokens=f.counter(
+                "asymspec_cloud_decoded_tokens_total",
+                "Tokens of speculative requests the cloud decoded alone while speculation "
+                "was paused (the batch above speculative_disable_by_batch_size).",
             ),
             cloud_connected=f.gauge(
                 "asymspec_cloud_connected",

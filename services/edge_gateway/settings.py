@@ -16,6 +16,11 @@ from asymspec.correction import Ladder
 from asymspec.modes import MODES, Mode, get_mode
 from asymspec.runtime_settings import RuntimeSettings
 
+# The batch above which a colocated edge (make run, the compose stack: both models on one
+# host's cores) lets the cloud decode alone; measured with make run on 2 cores (see the
+# README's "Measured so far").
+COLOCATED_SPECULATIVE_BATCH_LIMIT = 1
+
 
 class DraftLength(enum.Enum):
     """How the edge picks γ for a block a request did not pin."""
@@ -117,6 +122,17 @@ class EdgeSettings(RuntimeSettings):
         description="A longer prompt is prefilled into the draft in chunks of this many "
         "tokens, with the other requests' drafting between them.",
     )
+    speculative_disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Speculation pauses while more requests than this decode at once: each "
+        "then lets the cloud decode it alone (as target-only mode does, in the same "
+        "rounds) a few tokens at a time, and speculates again once the batch is back at "
+        "or under it (vLLM's option of the same name). Unset: "
+        f"{COLOCATED_SPECULATIVE_BATCH_LIMIT} when ASYMSPEC_COLOCATED is set (one host's "
+        "cores shared by both models: the cloud, on every core while it decodes alone, "
+        "outruns speculation at large batches), else never.",
+    )
     max_concurrent_requests: int = Field(256, ge=1, description="Requests served at once.")
     max_model_len: int = Field(2048, ge=16, description="Prompt + completion token limit.")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens accepted.")
@@ -152,6 +168,13 @@ class EdgeSettings(RuntimeSettings):
 
     def edge_mode(self) -> Mode:
         return self.operating_mode
+
+    def speculates_at(self, batch: int) -> bool:
+        """Whether a request drafts its next block while ``batch`` requests decode here."""
+        limit = self.speculative_disable_by_batch_size
+        if limit is None and self.colocated:
+            limit = COLOCATED_SPECULATIVE_BATCH_LIMIT
+        return limit is None or batch <= limit
 
     def ladder(self) -> Ladder:
         return Ladder(

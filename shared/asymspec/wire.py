@@ -38,7 +38,7 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     9     CorrectionRequest  BlockId, kind, size, rung
     10    CorrectionResponse BlockId, payload
     11    (retired: Commit; the recovered token rides in the next block's tail)
-    12    GenerateRequest    session_id, max_tokens, stop_token_ids
+    12    GenerateRequest    session_id, max_tokens, stop_token_ids, committed_tail
     13    GenerateTokens     session_id, tokens, done
     14    ErrorFrame         code, message, session_id | nil, BlockId | nil
 
@@ -66,7 +66,7 @@ import numpy.typing as npt
 from asymspec.sampling_params import SamplingParams
 
 # 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -406,15 +406,24 @@ class CorrectionResponse(_Wire):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GenerateRequest(_Wire):
-    """Target-only generation (SPADE "Target" baseline), streamed back as GenerateTokens."""
+    """The cloud decodes the session alone, streaming GenerateTokens back: target-only
+    mode (SPADE's "Target" baseline), and a speculative session while speculation is off
+    (the edge's batch is above ``speculative_disable_by_batch_size``). ``committed_tail``
+    is the edge's recovered token the cloud does not know yet (as in a block's)."""
 
     TYPE: ClassVar[MessageType] = MessageType.GENERATE_REQUEST
     session_id: int
     max_tokens: int
     stop_token_ids: TokenIds  # (n_stop,)
+    committed_tail: TokenIds  # (0 or 1,)
 
     def _fields(self) -> list[Any]:
-        return [self.session_id, self.max_tokens, _u32s(self.stop_token_ids)]
+        return [
+            self.session_id,
+            self.max_tokens,
+            _u32s(self.stop_token_ids),
+            _u32s(self.committed_tail),
+        ]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -776,7 +785,7 @@ _FIELD_COUNTS = MappingProxyType(
         MessageType.VERIFY_RESULT: 5,
         MessageType.CORRECTION_REQUEST: 4,
         MessageType.CORRECTION_RESPONSE: 2,
-        MessageType.GENERATE_REQUEST: 3,
+        MessageType.GENERATE_REQUEST: 4,
         MessageType.GENERATE_TOKENS: 3,
         MessageType.ERROR: 4,
     }
@@ -809,7 +818,7 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
         case MessageType.CORRECTION_RESPONSE:
             return CorrectionResponse(f.block(), f.payload())
         case MessageType.GENERATE_REQUEST:
-            return GenerateRequest(f.uint(_U64_MAX), f.uint(), f.tokens())
+            return GenerateRequest(f.uint(_U64_MAX), f.uint(), f.tokens(), f.tokens())
         case MessageType.GENERATE_TOKENS:
             return GenerateTokens(f.uint(_U64_MAX), f.tokens(), f.boolean())
         case MessageType.ERROR:

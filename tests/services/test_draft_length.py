@@ -89,3 +89,19 @@ def test_goodput_is_the_default_and_the_setting_reads_its_name(
     monkeypatch.setenv("ASYMSPEC_EDGE_DRAFT_LENGTH", "adaptive")
     assert EdgeSettings().draft_length.adapts_per_request
     assert not EdgeSettings().draft_length.maximises_goodput
+
+
+def test_speculation_pauses_above_the_batch_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apart, the edge always speculates unless told a limit; colocated (one host's cores
+    for both models), it speculates only for a request alone, as measured there."""
+    monkeypatch.delenv("ASYMSPEC_COLOCATED", raising=False)
+    apart = EdgeSettings(shared_secret="s" * 16)
+    assert all(apart.speculates_at(batch) for batch in (0, 1, 16, 256))
+    monkeypatch.setenv("ASYMSPEC_EDGE_SPECULATIVE_DISABLE_BY_BATCH_SIZE", "8")
+    limited = EdgeSettings(shared_secret="s" * 16)
+    assert [limited.speculates_at(b) for b in (1, 8, 9)] == [True, True, False]
+    monkeypatch.setenv("ASYMSPEC_COLOCATED", "true")  # an explicit limit wins
+    assert EdgeSettings(shared_secret="s" * 16).speculates_at(8)
+    monkeypatch.delenv("ASYMSPEC_EDGE_SPECULATIVE_DISABLE_BY_BATCH_SIZE")
+    colocated = EdgeSettings(shared_secret="s" * 16)
+    assert [colocated.speculates_at(b) for b in (1, 2, 16)] == [True, False, False]

@@ -1,7 +1,8 @@
 """End to end through real processes: a cloud verifier and edge gateways in several modes,
 on loopback, with a tiny real model pair, driven over HTTP like a user would.
 
-- greedy output through every speculative mode equals target-only output;
+- greedy output through every speculative mode equals target-only output, also where
+  requests go from speculation to the cloud's own decoding and back (a batch limit);
 - at temperature 1 the first three tokens follow the target's exact joint distribution;
 - concurrent streams finish with correct usage, and /metrics agrees with the clients;
 - the official openai client works unmodified; bad input gets OpenAI error bodies.
@@ -42,6 +43,8 @@ VARIANTS = {
     "asymspec-adaptive": ("asymspec", {"draft_length": "adaptive"}),
     # Blocks end after an unsure draft token; τ cuts some of the tiny draft's blocks, not all.
     "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
+    # Speculation pauses while more than one request decodes: the cloud decodes them alone.
+    "asymspec-paused": ("asymspec", {"speculative_disable_by_batch_size": "1"}),
 }
 # Edges whose draft is a feature draft of the tiny target (fed the target's hidden states).
 FEATURE_VARIANTS = {
@@ -135,6 +138,31 @@ def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode:
     assert usage is not None and usage["completion_tokens"] <= 20
 
 
+def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> None:
+    """Above its batch limit (1 here) a request lets the cloud decode it alone, 16 tokens
+    at a time, and speculates again once alone: of three concurrent greedy requests of
+    different lengths the longest goes both ways, and each equals target-only's output."""
+    edge = edges["asymspec-paused"]
+    bodies = [
+        {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        for prompt, n in (("def add(a, b):", 12), ("The quick brown", 24), (PROMPT_IDS, 56))
+    ]
+    expected = [complete(edges["target-only"], **body)["choices"][0]["text"] for body in bodies]
+    names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
+    before = [metric_value(edge, name) for name in names]
+
+    async def concurrently() -> list[str]:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
+            )
+        return [r.json()["choices"][0]["text"] for r in replies]
+
+    assert asyncio.run(concurrently()) == expected
+    decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
+    assert decoded >= 16 and blocks >= 1, (decoded, blocks)
+
+
 # ---------------------------------------------------------------- distribution
 
 
@@ -181,6 +209,7 @@ async def sample_first_tokens(edge: Service, n: int, top_k: int) -> Counter[tupl
         "no-topk",
         "full-upload",
         "runahead",
+        "asymspec-paused",
         "target-only",
         "feature-asymspec",
         "feature-runahead",

@@ -194,3 +194,60 @@ def test_closing_its_session_ends_a_generation_quietly() -> None:
     # the round that runs the close (after its forward) may still decode a token each
     assert 2 <= len(got) <= 4
     assert isinstance(error, SessionClosed) and error.code is ErrorCode.UNKNOWN_SESSION
+
+
+def block_of(session: Session, seq: int, drafts: list[int], tail: list[int]) -> VerifyBlock:
+    return VerifyBlock(
+        BlockId(1, seq, len(session.confirmed) + len(tail), session.digest),
+        np.asarray(drafts, dtype=np.uint32),
+        np.ones(len(drafts), dtype=np.float32),
+        np.asarray(tail, dtype=np.uint32),
+    )
+
+
+def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
+    """Speculation paused at the edge: after a rejected block, the session is handed to
+    the cloud's decoding with the edge's recovered token, decodes the greedy chain from
+    there, and then takes blocks again from the prefix the generation left."""
+    target = RecordingTarget()
+    batcher = new_batcher(target)
+    session = session_with_prompt(1, [4, 8, 15])
+    model = target.lm.model  # type: ignore[attr-defined]
+
+    def argmax(chain: list[int]) -> int:
+        return int(full_logits(model, chain)[-1].argmax())
+
+    async def run() -> tuple[int, list[int], int]:
+        batcher.start()
+        await batcher.prefill(session)
+        wrong = (argmax(session.confirmed) + 1) % target.vocab_size
+        first = block_of(session, 1, [wrong], [])
+        assert session.admit(first) is None
+        rejected = await batcher.verify(session, first)
+        recovered = argmax(session.confirmed)  # what the edge recovers (greedy p)
+        with pytest.raises(WireError) as no_tail:
+            session.admit_generation(np.zeros(0, dtype=np.uint32))
+        assert no_tail.value.code is ErrorCode.STALE_BLOCK
+        session.admit_generation(np.asarray([recovered], dtype=np.uint32))
+        with pytest.raises(WireError) as during:  # no block while the cloud decodes it
+            session.admit(block_of(session, 2, [1], []))
+        assert during.value.code is ErrorCode.STALE_BLOCK
+        with pytest.raises(WireError) as twice:
+            session.admit_generation(np.zeros(0, dtype=np.uint32))
+        assert twice.value.code is ErrorCode.DUPLICATE
+        decoded = await collect(batcher, session, 4)
+        assert not session.generating
+        right = argmax(session.confirmed)
+        block = block_of(session, 2, [right], [])
+        assert session.admit(block) is None
+        accepted = await batcher.verify(session, block)
+        await batcher.stop()
+        return rejected.n_accepted, [recovered, *decoded], accepted.n_accepted
+
+    n_rejected, tokens, n_accepted = asyncio.run(run())
+    assert n_rejected == 0 and n_accepted == 1
+    chain = [4, 8, 15]
+    for token in tokens:  # the recovered token, then the cloud's greedy chain after it
+        assert token == argmax(chain)
+        chain.append(token)
+    assert session.confirmed[: len(chain)] == chain

@@ -47,6 +47,7 @@ EDGE_NAMES = {
     "asymspec_edge_busy_seconds",
     "asymspec_edge_idle_seconds",
     "asymspec_wasted_draft_tokens",
+    "asymspec_cloud_decoded_tokens",
     "asymspec_cloud_connected",
     "asymspec_link_message_bytes",
     "asymspec_cloud_session_reopens",

@@ -114,7 +114,8 @@ def sample_messages() -> list[Message]:
         CorrectionResponse(BLOCK, topk),
         CorrectionResponse(BLOCK, Proposals(u32(8, 8, 1), f32(0.1, 0.1, 0.3))),
         CorrectionResponse(BLOCK, FullRow(f32(0.25, 0.75, 0.0))),
-        GenerateRequest(3, 128, u32(0, 2)),
+        GenerateRequest(3, 128, u32(0, 2), u32()),
+        GenerateRequest(3, 16, u32(0, 2), u32(9)),  # speculation paused after a recovery
         GenerateTokens(3, u32(5, 6, 7), False),
         GenerateTokens(3, u32(), True),
         ErrorFrame(ErrorCode.STALE_BLOCK, "base_len 512 != committed 515", 3, BLOCK),

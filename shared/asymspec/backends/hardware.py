@@ -127,7 +127,8 @@ def colocated_threads(role: Role, mode: Mode, cpus: int | None = None) -> int:
 class ForwardThreads:
     """The cloud's torch threads per forward on a host it shares with the edge: ``solo``
     while at most one session is open (the edge then waits for that session's verdict and
-    leaves its core idle), ``shared`` otherwise (the edge drafts other sessions meanwhile).
+    leaves its core idle) or the round only decodes (the edge's requests all wait for the
+    cloud's tokens), ``shared`` otherwise (the edge drafts other sessions meanwhile).
     Measured with ``make run`` on 2 cores, the model loaded on its forward thread
     (2026-12-03, loadtest/results/model-thread/): at one chat 2 threads made asymspec 39.6
     tok/s against 31.8 with 1; at 16 chats 2 threads were slower (107.9 vs 143.3 tok/s:
@@ -136,8 +137,11 @@ class ForwardThreads:
     shared: int
     solo: int
 
-    def for_sessions(self, open_sessions: int) -> int:
-        return self.solo if open_sessions <= 1 else self.shared
+    def for_round(self, open_sessions: int, cloud_decodes_alone: bool) -> int:
+        """``cloud_decodes_alone``: the round decodes and verifies no block, so the edge,
+        whose requests wait for those tokens, is not drafting (target-only mode, or a
+        colocated edge that paused speculation at a large batch)."""
+        return self.solo if open_sessions <= 1 or cloud_decodes_alone else self.shared
 
 
 def machine_facts() -> dict[str, object]:
