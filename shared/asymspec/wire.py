@@ -65,7 +65,8 @@ import numpy.typing as npt
 
 from asymspec.sampling_params import SamplingParams
 
-# 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost
+# 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost;
+# 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding)
 PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
@@ -407,7 +408,7 @@ class CorrectionResponse(_Wire):
 @dataclass(frozen=True, slots=True, eq=False)
 class GenerateRequest(_Wire):
     """The cloud decodes the session alone, streaming GenerateTokens back: target-only
-    mode (SPADE's "Target" baseline), and a speculative session while speculation is off
+    mode (SPADE's "Target" baseline), and a speculative session while speculation is paused
     (the edge's batch is above ``speculative_disable_by_batch_size``). ``committed_tail``
     is the edge's recovered token the cloud does not know yet (as in a block's)."""
 
