@@ -33,6 +33,7 @@ from asymspec.wire import (
     CorrectionRequest,
     ErrorCode,
     GenerateRequest,
+    GenerateTokens,
     OpenSession,
     Payload,
     SamplingConfig,
@@ -90,6 +91,25 @@ def _cloud_failure(exc: ChannelDown | CloudError | ReplyTimeout | ActorDied) -> 
             f"the cloud verifier is at capacity: {exc}", 429, "rate_limit_error", retry_after_s=1
         )
     return GenerationError(f"cloud verifier error: {exc}", 502, "server_error")
+
+
+async def _generated(
+    channel: CloudChannel, frames: asyncio.Queue[GenerateTokens | Exception]
+) -> AsyncGenerator[GenerateTokens, None]:
+    """A cloud generation's frames from its session's stream, up to the one marked done.
+    An error frame for the session raises it; no frame within the reply timeout raises
+    ReplyTimeout."""
+    while True:
+        try:
+            frame = await asyncio.wait_for(frames.get(), channel.reply_timeout_s)
+        except TimeoutError:
+            waited_s = channel.reply_timeout_s
+            raise ReplyTimeout(f"no tokens from {channel.url} in {waited_s} s") from None
+        if isinstance(frame, Exception):
+            raise frame
+        yield frame
+        if frame.done:
+            return
 
 
 @dataclass(slots=True)
@@ -301,20 +321,11 @@ class _RequestState:
         try:
             await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
             self.tail = []  # the cloud has it now
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), channel.reply_timeout_s)
-                except TimeoutError:
-                    waited_s = channel.reply_timeout_s
-                    raise ReplyTimeout(f"no tokens from {channel.url} in {waited_s} s") from None
-                if isinstance(item, Exception):
-                    raise item
-                for token in (int(t) for t in item.tokens):
+            async for frame in _generated(channel, queue):
+                for token in (int(t) for t in frame.tokens):
                     self.confirmed.append(token)
                     metrics.cloud_decoded_tokens.inc()
                     yield token
-                if item.done:
-                    return
         finally:
             channel.end_stream(self.session_id)
 
@@ -584,14 +595,5 @@ class TargetOnlyEngine:
         await channel.open_session(OpenSession(session_id, prompt, config))
         remaining = request.max_new_tokens - len(produced)
         await channel.send(GenerateRequest(session_id, remaining, stop, _NO_TAIL))
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), channel.reply_timeout_s)
-            except TimeoutError:
-                waited_s = channel.reply_timeout_s
-                raise ReplyTimeout(f"no tokens from {channel.url} in {waited_s} s") from None
-            if isinstance(item, Exception):
-                raise item
-            yield [int(t) for t in item.tokens]
-            if item.done:
-                return
+        async for frame in _generated(channel, queue):
+            yield [int(t) for t in frame.tokens]
