@@ -10,7 +10,8 @@ and held-out HumanEval prompts asked as chat, mixed; 64 tokens, T = 0.7, seeded)
 concurrency and reports completion tokens per second of wall time, TTFT and end-to-end
 percentiles, and the edge's accepted tokens per block. ``--prefill`` adds the long-prompt
 checks: prefill tokens/s of a ~2,000-token prompt (TTFT of a 1-token completion), and a
-short request's latency alone and when sent 0.5 s after that long prompt.
+short request's latency alone and when sent 0.5 s after that long prompt
+(``--prefill-repeats N``: N times, reporting medians).
 
 ``--repo`` may point at an older checkout (``git worktree add``) to measure it the same
 way; its services then run from its own sources (PYTHONPATH) with this checkout's venv.
@@ -194,42 +195,54 @@ def long_prompt(words: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Here is a ledger: {text} What is the total?"}]
 
 
-def measure_prefill() -> dict[str, Any]:
-    """Prefill rate of a ~2,000-token prompt, and a short request beside it."""
+def measure_prefill(repeats: int = 1) -> dict[str, Any]:
+    """Prefill rate of a ~2,000-token prompt, and a short request beside it; ``repeats``
+    times (each a short request alone, the long prompt alone, then both), with the medians.
+    The short request's slowdown depends on where in the long prompt's rounds it lands, so
+    one sample of it varies by 1.5x between runs here."""
     long_messages = long_prompt(240)  # ~1,980 tokens with SmolLM2's tokenizer (limit 2,048)
     short = workload(1)[0]
 
-    async def run() -> dict[str, Any]:
-        url = f"http://127.0.0.1:{EDGE_PORT}"
-        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-            warm = await one_chat(client, short, 0, 32)
-            alone = await one_chat(client, short, 1, 32)
-            body = {"model": "asymspec", "messages": long_messages, "max_tokens": 1}
-            started = time.perf_counter()
-            reply = await client.post("/v1/chat/completions", json=body)
-            if reply.status_code != 200:
-                raise RuntimeError(f"long prompt: {reply.status_code} {reply.text}")
-            response = reply.json()
-            prefill_s = time.perf_counter() - started
-            prompt_tokens = response["usage"]["prompt_tokens"]
+    async def once(client: httpx.AsyncClient) -> dict[str, Any]:
+        alone = await one_chat(client, short, 1, 32)
+        body = {"model": "asymspec", "messages": long_messages, "max_tokens": 1}
+        started = time.perf_counter()
+        reply = await client.post("/v1/chat/completions", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"long prompt: {reply.status_code} {reply.text}")
+        prefill_s = time.perf_counter() - started
+        prompt_tokens = reply.json()["usage"]["prompt_tokens"]
 
-            async def delayed_short() -> dict[str, float]:
-                await asyncio.sleep(0.5)
-                return await one_chat(client, short, 1, 32)
+        async def delayed_short() -> dict[str, float]:
+            await asyncio.sleep(0.5)
+            return await one_chat(client, short, 1, 32)
 
-            body = {**body, "max_tokens": 8}
-            _, beside = await asyncio.gather(
-                client.post("/v1/chat/completions", json=body), delayed_short()
-            )
+        body = {**body, "max_tokens": 8}
+        started = time.perf_counter()
+        _, beside = await asyncio.gather(
+            client.post("/v1/chat/completions", json=body), delayed_short()
+        )
+        long_beside_s = time.perf_counter() - started
         return {
-            "warm_up_e2e_s": round(warm["e2e_s"], 3),
             "long_prompt_tokens": prompt_tokens,
             "long_prompt_ttft_s": round(prefill_s, 3),
             "prefill_tok_s": round(prompt_tokens / prefill_s, 1),
             "short_alone_e2e_s": round(alone["e2e_s"], 3),
             "short_beside_long_e2e_s": round(beside["e2e_s"], 3),
             "short_slowdown": round(beside["e2e_s"] / alone["e2e_s"], 3),
+            "long_beside_short_e2e_s": round(long_beside_s, 3),  # the long one, 8 tokens
         }
+
+    async def run() -> dict[str, Any]:
+        url = f"http://127.0.0.1:{EDGE_PORT}"
+        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+            warm = await one_chat(client, short, 0, 32)
+            runs = [await once(client) for _ in range(repeats)]
+        medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        out: dict[str, Any] = {"warm_up_e2e_s": round(warm["e2e_s"], 3), **medians}
+        if repeats > 1:
+            out["repeats"] = runs
+        return out
 
     return asyncio.run(run())
 
@@ -271,6 +284,9 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prefill", action="store_true", help="also the long-prompt checks")
+    parser.add_argument(
+        "--prefill-repeats", type=int, default=1, help="long-prompt checks per mode (medians)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "loadtest/results/make-run")
     parser.add_argument("--append", action="store_true", help="add to an existing results.json")
     args = parser.parse_args()
@@ -294,7 +310,11 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             if args.prefill:
-                row = {"checkout": args.label, "mode": mode, "prefill": measure_prefill()}
+                row = {
+                    "checkout": args.label,
+                    "mode": mode,
+                    "prefill": measure_prefill(args.prefill_repeats),
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         finally:

@@ -50,8 +50,9 @@ from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
 
-# How long after its verdict a session's next block counts as due: an edge's draft, its
-# queue and the round trip take tens to a few hundred milliseconds.
+# How long after its verdict (or its prompt's prefill) a session's next block or decode step
+# counts as due: an edge's draft, its queue and the round trip take tens to a few hundred
+# milliseconds.
 NEXT_BLOCK_WITHIN_S = 1.0
 
 
@@ -160,10 +161,11 @@ class Batcher:
         self._prefilling: list[_Prefill] = []
         self._generating: list[_Generation] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
-        # Sessions whose verdict went back and whose next block has not come yet: their
-        # rows and when the verdict left. Their block is due any moment, so a round with
-        # nothing else to do prefills only what delays it by the share, not a full round.
-        self._between_blocks: dict[str, tuple[int, float]] = {}
+        # Sessions whose next block or decode step is due any moment: their verdict went
+        # back, or their prompt is in the cache, and nothing of theirs has come since. Their
+        # rows and since when. A round with nothing else to do prefills only what delays
+        # that work by the share, not a full round.
+        self._work_due: dict[str, tuple[int, float]] = {}
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         # the thread that loaded the target (None: a new one); the batcher owns it from here
         self.model_thread = model_thread or ModelThread("target")
@@ -249,6 +251,7 @@ class Batcher:
             started = time.perf_counter()
             work = []
             for job in jobs:
+                self._work_due.pop(job.session.key, None)  # here, or closing
                 if job.prefills:
                     self._prefilling.append(_Prefill(job))
                     continue
@@ -257,7 +260,6 @@ class Batcher:
                     continue
                 if job.verifies:  # close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
-                self._between_blocks.pop(job.session.key, None)  # here, or closing
                 work.append(job)
             for gone in [g for g in self._generating if g.abandoned]:
                 gone.job.session.generating = False
@@ -271,7 +273,7 @@ class Batcher:
                 if job.generation is None:
                     _resolve(job.future, ok, value)
                     if ok and job.verifies:
-                        self._between_blocks[job.session.key] = (job.rows, handed_back_s)
+                        self._work_due[job.session.key] = (job.rows, handed_back_s)
                 else:
                     self._advance_generation(job.generation, ok, value)
             self._in_flight = []
@@ -312,12 +314,13 @@ class Batcher:
         return jobs
 
     def _due_rows(self, now_s: float) -> int:
-        """The rows of the blocks due any moment: sessions whose verdict left within
-        `NEXT_BLOCK_WITHIN_S` (older ones are idle, or their edge is slow: forgotten)."""
+        """The rows of the work due any moment: sessions whose verdict left, or whose prompt
+        went into the cache, within `NEXT_BLOCK_WITHIN_S` (older ones are idle, or their
+        edge is slow: forgotten)."""
         due = 0
-        for key, (rows, handed_back_s) in list(self._between_blocks.items()):
+        for key, (rows, handed_back_s) in list(self._work_due.items()):
             if now_s - handed_back_s > NEXT_BLOCK_WITHIN_S:
-                del self._between_blocks[key]
+                del self._work_due[key]
             else:
                 due += rows
         return due
@@ -328,7 +331,7 @@ class Batcher:
         costs the long one a round's few rows), the oldest among equals."""
         order = sorted(self._prefilling, key=lambda p: p.total - p.done)  # stable
         rests = [prefill.total - prefill.done for prefill in order]
-        taken = self.prefill_budget.plan(rests, self.cost, work_rows)
+        taken = self.prefill_budget.plan(rests, self.cost, work_rows, self.target.padded_rows)
         return [  # (a prompt with nothing left to prefill gets its empty chunk: it resolves)
             _Chunk(prefill, prefill.done, prefill.done + take)
             for prefill, rest, take in zip(order, rests, taken, strict=True)
@@ -346,6 +349,9 @@ class Batcher:
             if prefill.done >= prefill.total:
                 _resolve(prefill.job.future, True, None)
                 self._drop(prefill)
+                # its first block or decode step comes next (a row at least): until it
+                # does, a long prompt's rounds leave room for it, as between two blocks
+                self._work_due[prefill.job.session.key] = (1, time.perf_counter())
 
     def _drop(self, prefill: _Prefill) -> None:
         if prefill in self._prefilling:

@@ -12,7 +12,7 @@ asks it how many rows fit in a time budget.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Below this spread of recent row counts (rows², weighted variance) the slope is noise.
@@ -87,9 +87,21 @@ class PrefillBudget:
     rows, fewer where its forward would pass ``round_s`` (so a request arriving meanwhile
     waits at most about that long); a round that also verifies or decodes for other
     sessions up to ``chunk_tokens_shared``, fewer where they would add more than ``share``
-    of that forward's own cost (so those steps slow by at most that fraction). At least
-    one row either way: a long prompt always moves. While the cost is not known yet (the
-    first forwards) the caps alone apply.
+    of that forward's own cost (so those steps slow by at most that fraction). A round
+    with no such work that prefills short prompts whole is their users' first-token wait:
+    a long prompt's chunk beside them is held to the share of their rows, as beside work.
+    At least one row either way: a long prompt always moves. While the cost is not known
+    yet (the first forwards) the caps alone apply.
+
+    Beside work on an engine that pads its products' rows (``padded_rows``: the rows a
+    forward fed n positions computes), each row the padded frame grows by counts at the
+    slope too, on top of each prompt row. A CPU computing 16-row tiles runs a 1-row decode
+    step as 16 rows: 15 prompt rows ride in its padding, at the cost of their attention;
+    the 16th pads the round to 32, and those 16 rows cost products. Measured on an AMX
+    CPU, 2 threads, a 1-row step beside chunks of a 1,000-token prompt (33 ms alone, fitted
+    slope ~0.6 ms): 15 rows added 8 ms, 16 rows 18 ms, 23 rows 25 ms, 31 rows 28 ms; the
+    slope alone said 9, 10, 14 and 19 ms, and let 22 rows beside a step that the share
+    allowed 30 % slow it by 75 % (``loadtest/results/prefill-tiles/``).
     """
 
     chunk_tokens: int = 256
@@ -98,23 +110,37 @@ class PrefillBudget:
     share: float = math.inf
     whole_tokens: int = 0
 
-    def plan(self, rests: Sequence[int], cost: ForwardCost, work_rows: int) -> list[int]:
+    def plan(
+        self,
+        rests: Sequence[int],
+        cost: ForwardCost,
+        work_rows: int,
+        padded_rows: Callable[[int], int] | None = None,
+    ) -> list[int]:
         """This round's rows for each prompt, given the tokens each has left in the order
         they are served (the batcher's: fewest left first). ``work_rows``: the verify and
         decode rows in the round or, where it has none, those due any moment (sessions
         between two blocks), which its prefill must delay by no more than the share."""
-        chunk_rows = self.rows(cost, work_rows)
-        used, taken = 0, []
-        for rest in rests:
-            if rest <= self.whole_tokens and used + rest <= self.chunk_tokens:
-                take = rest
-            else:
-                take = max(0, min(rest, chunk_rows - used))
-            taken.append(take)
-            used += take
+        taken = [0] * len(rests)
+        whole_rows = 0
+        for i, rest in enumerate(rests):
+            if rest > self.whole_tokens or whole_rows + rest > self.chunk_tokens:
+                continue
+            taken[i] = rest
+            whole_rows += rest
+        chunk_rows = self.rows(cost, work_rows, padded_rows)
+        if work_rows == 0 and whole_rows > 0:  # the whole prompts are the work it is beside
+            chunk_rows = min(chunk_rows, whole_rows + self.rows(cost, whole_rows, padded_rows))
+        used = whole_rows  # the whole prompts take their rows of the chunk
+        for i in range(len(rests)):
+            if taken[i] == 0 and rests[i] > 0:
+                taken[i] = max(0, min(rests[i], chunk_rows - used))
+                used += taken[i]
         return taken
 
-    def rows(self, cost: ForwardCost, work_rows: int) -> int:
+    def rows(
+        self, cost: ForwardCost, work_rows: int, padded_rows: Callable[[int], int] | None = None
+    ) -> int:
         """The chunk rows a round may prefill beside ``work_rows`` rows of verify and
         decode work (the time limits; whole short prompts come on top)."""
         fitted = cost.fit()
@@ -123,8 +149,18 @@ class PrefillBudget:
         if fitted is None or fitted[1] <= 0.0:
             return cap  # unknown yet, or rows look free
         base_s, per_row_s = fitted
-        budget_s = self.round_s - base_s if alone else self.share * (base_s + per_row_s * work_rows)
-        if math.isinf(budget_s):
+        if alone:
+            budget_s = self.round_s - base_s
+            if math.isinf(budget_s):
+                return cap
+            # (the 1e-9: a budget of exactly n rows stays n through float rounding)
+            return max(1, min(cap, math.floor(budget_s / per_row_s + 1e-9)))
+        budget_rows = self.share * (base_s / per_row_s + work_rows)  # in rows at the slope
+        if math.isinf(budget_rows):
             return cap
-        # (the 1e-9: a budget of exactly n rows stays n through float rounding)
-        return max(1, min(cap, math.floor(budget_s / per_row_s + 1e-9)))
+        take = min(cap, math.floor(budget_rows + 1e-9))
+        if padded_rows is not None:  # and the rows the padded frame grows by
+            frame = padded_rows(work_rows)
+            while take > 1 and take + padded_rows(work_rows + take) - frame > budget_rows + 1e-9:
+                take -= 1
+        return max(1, take)

@@ -29,7 +29,12 @@ from asymspec.backends.hardware import (
     resolve_dtype,
     resolve_precision,
 )
-from asymspec.backends.llama import LlamaEngine, WeightLayout, _row_bucket
+from asymspec.backends.llama import (
+    _SMALL_BUCKETS_FROM,
+    LlamaEngine,
+    WeightLayout,
+    _row_bucket,
+)
 from asymspec.backends.loading import load_causal_lm, session_lm
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama, full_logits
 
@@ -432,6 +437,20 @@ def test_row_buckets_bound_the_primitives_and_the_padding() -> None:
     assert [_row_bucket(r, 1) for r in rows[:7]] == [1, 2, 4, 8, 16, 16, 32]
     assert all(r <= _row_bucket(r, 1) < 2 * r for r in range(1, 2000))
     assert len({_row_bucket(r, 1) for r in range(1, 513)}) == 5 + 7 + 6
+
+
+def test_padded_rows_are_the_rows_the_products_compute(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    """What the cloud's prefill budget counts beside work (``PrefillBudget``)."""
+    exact = LlamaEngine(tiny_target_model)  # float32: F.linear on exactly the rows fed
+    assert [exact.padded_rows(r) for r in (0, 1, 3, 17)] == [0, 1, 3, 17]
+    half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
+    plain, mixed = LlamaEngine(half, few_rows_fp16=False), LlamaEngine(half, few_rows_fp16=True)
+    assert [plain.padded_rows(r) for r in (0, 17, 129)] == [0, 32, 192]
+    assert plain.padded_rows(3) == _row_bucket(3, _SMALL_BUCKETS_FROM)  # 16 on AMX, else 4
+    assert mixed.padded_rows(3) == 3  # FBGEMM's few-row products pad nothing
+    assert mixed.padded_rows(5) == _row_bucket(5, _SMALL_BUCKETS_FROM)
 
 
 def test_a_restricted_head_scores_its_tokens_and_nothing_else(

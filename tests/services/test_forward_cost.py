@@ -101,6 +101,40 @@ def test_the_shared_cap_never_exceeds_a_round_alone() -> None:
     assert PrefillBudget(chunk_tokens=16, chunk_tokens_shared=32).rows(ForwardCost(), 4) == 16
 
 
+def tiles_of_16(rows: int) -> int:
+    """An AMX engine's padding: every forward computes whole 16-row tiles."""
+    return -(-rows // 16) * 16
+
+
+def test_budget_beside_work_counts_the_rows_the_engine_pads_to() -> None:
+    """A 1-row decode step computes 16 rows: 15 prompt rows ride in its padding (each at
+    the slope), the 16th pads the round to 32, and those 16 more rows count at the slope
+    too."""
+    cost = cost_of((10, 0.040), (20, 0.050))  # base 30 ms, 1 ms a row
+    budget = PrefillBudget(chunk_tokens=256, chunk_tokens_shared=64, share=1.0)
+    assert budget.rows(cost, work_rows=1) == 31  # 31 ms beside a 31 ms step, unpadded
+    assert budget.rows(cost, work_rows=1, padded_rows=tiles_of_16) == 15  # 16 + 16: 32 ms
+    wider = PrefillBudget(chunk_tokens=256, chunk_tokens_shared=64, share=2.0)  # 62 ms
+    assert wider.rows(cost, work_rows=1, padded_rows=tiles_of_16) == 31  # 31 + 16 padding
+    # beside 16 rows (46 ms): 16 rows and 16 more in the frame; the 17th pads it to 48
+    assert budget.rows(cost, work_rows=16, padded_rows=tiles_of_16) == 16
+    tight = PrefillBudget(share=0.01)
+    assert tight.rows(cost, work_rows=1, padded_rows=tiles_of_16) == 1  # a prompt moves
+
+
+def test_short_prompts_alone_hold_the_long_chunk_beside_them_to_the_share() -> None:
+    """No work but a short prompt prefilled whole: its user waits for this round, so the
+    long prompt's chunk beside it adds at most the share of its rows, as beside work (and
+    the round stays within what fits alone)."""
+    cost = cost_of((10, 0.030), (20, 0.050))  # base 10 ms, 2 ms a row
+    roomy = PrefillBudget(chunk_tokens=256, round_s=1.0, share=0.5, whole_tokens=100)
+    assert roomy.plan([40, 1500], cost, work_rows=0) == [40, 22]  # half of 10 + 40 x 2 ms
+    assert roomy.plan([1500], cost, work_rows=0) == [256]  # alone: the cap
+    tight = PrefillBudget(chunk_tokens=256, round_s=0.1, share=0.5, whole_tokens=100)
+    assert tight.plan([40, 1500], cost, work_rows=0) == [40, 5]  # 45 rows fit in 100 ms
+    assert roomy.plan([40, 1500], cost, work_rows=5) == [40, 0]  # beside work, as before
+
+
 def test_plan_takes_short_prompts_whole_and_chunks_the_long_one() -> None:
     """Beside 5 rows of work the time share allows 5 rows (base 10 ms, 2 ms a row, share
     0.5): the two short prompts go whole anyway, the long one waits for a round they leave

@@ -35,6 +35,13 @@ def session_with_prompt(session_id: int, length: int) -> Session:
     return dataclasses.replace(greedy_cloud_session(session_id), confirmed=prompt)
 
 
+async def first_step(batcher: Batcher, session: Session) -> None:
+    """The decode step a session's edge asks for once its prompt is in the cache (until it
+    comes, the batcher holds other prompts' rounds to the share beside it)."""
+    async for _ in batcher.generate(session, 1):
+        pass
+
+
 def new_batcher(target: TargetModel) -> Batcher:
     metrics = CloudMetrics.create(CollectorRegistry())
     return Batcher(target, 8, 0.0, metrics, PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8))
@@ -49,6 +56,7 @@ def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows() ->
     async def run() -> None:
         batcher.start()
         await batcher.prefill(decoding)
+        await first_step(batcher, decoding)  # no longer due: the rounds after are alone
         await batcher.prefill(long)  # alone: 64-token chunks
         opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
         async for _ in batcher.generate(decoding, 6):  # beside decode steps: 8-token chunks
@@ -125,6 +133,7 @@ def test_chunks_follow_the_measured_forward_cost() -> None:
     async def run() -> None:
         batcher.start()
         await batcher.prefill(decoding)
+        await first_step(batcher, decoding)
         await batcher.prefill(long)
         opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
         async for _ in batcher.generate(decoding, 12):
@@ -185,3 +194,38 @@ def test_a_session_between_blocks_keeps_the_long_prompt_in_small_chunks() -> Non
     assert all(rows <= 7 for rows in while_verifying), chunks
     assert sum(rows for rows, _ in chunks) == 400
     assert max(rows for rows, _ in chunks[-3:]) >= 24  # alone again once it closed
+
+
+def test_a_prompt_just_cached_keeps_the_long_prompt_in_small_chunks_until_its_first_step() -> None:
+    """A short prompt prefilled beside a long one: its edge asks for the first decode step
+    a moment later (200 ms here). Meanwhile that step is due, so the long prompt's rounds
+    take what delays it by the share (13 ms: 4 rows), not full 100 ms rounds alone (30
+    rows) that the step would then wait behind."""
+    target = PerRowCostTarget()
+    budget = PrefillBudget(chunk_tokens=128, chunk_tokens_shared=64, round_s=0.100, share=1.0)
+    batcher = Batcher(target, 8, 0.0, CloudMetrics.create(CollectorRegistry()), budget)
+    measured, short, long = (session_with_prompt(i, n) for i, n in ((1, 61), (2, 5), (3, 801)))
+    first_step_at: list[int] = []  # the round the short prompt's first step ran in
+
+    async def run() -> None:
+        batcher.start()
+        await batcher.prefill(measured)  # alone: the cost is measured
+        await first_step(batcher, measured)
+        opening = asyncio.create_task(batcher.prefill(long))
+        await asyncio.sleep(0.05)  # the long prompt's rounds are under way, alone
+        await batcher.prefill(short)
+        await asyncio.sleep(0.2)  # its edge's round trip
+        first_step_at.append(len(target.rounds))
+        await first_step(batcher, short)
+        await batcher.close(short)
+        await opening
+        await batcher.stop()
+
+    asyncio.run(run())
+    long_chunks = [chunks.get("1:3", 0) for chunks, _ in target.rounds]
+    short_prefill = next(i for i, (chunks, _) in enumerate(target.rounds) if "1:2" in chunks)
+    before = [rows for rows in long_chunks[:short_prefill] if rows]
+    waiting = long_chunks[short_prefill + 1 : first_step_at[0]]
+    assert max(before) >= 24, before  # alone, before the short prompt came
+    assert len(waiting) >= 4 and max(waiting) <= 5, waiting  # while its first step was due
+    assert sum(long_chunks) == 800

@@ -335,6 +335,17 @@ class LlamaEngine(SessionTable[_Session]):
         """The tokens a restricted head scores; None when it scores the whole vocabulary."""
         return None if self.restricted_head is None else self.restricted_head.ids
 
+    def padded_rows(self, rows: int) -> int:
+        """The rows the linear layers compute for a forward fed ``rows`` positions: oneDNN's
+        bf16 products pad to a few bucket sizes (``_row_bucket``), 16 rows at least on AMX,
+        whose tiles make those rows cost the same; FBGEMM's few-row products and the plain
+        layouts compute exactly what they are fed."""
+        if rows == 0 or not self.layout.packs_bf16:
+            return rows
+        if self.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16 and rows <= _FEW_ROWS:
+            return rows
+        return _row_bucket(rows, _SMALL_BUCKETS_FROM)
+
     def _new_session(self) -> _Session:
         return _Session()
 

@@ -10,7 +10,7 @@ p_1 .. p_γ (predicting x_1 .. x_γ) and p_{γ+1} (the bonus position). After th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +86,15 @@ class TargetModel:
     def hidden_size(self) -> int:
         """The width of the features it provides (0 for an engine that provides none)."""
         return int(self.lm.embed.shape[1]) if isinstance(self.lm, LlamaEngine) else 0
+
+    @property
+    def padded_rows(self) -> Callable[[int], int] | None:
+        """The rows a forward fed n positions computes, where the engine pads its products'
+        rows (oneDNN's bf16 buckets, 16-row tiles on AMX); None where it computes exactly
+        the rows it is fed."""
+        if isinstance(self.lm, LlamaEngine) and self.lm.layout.packs_bf16:
+            return self.lm.padded_rows
+        return None
 
     @property
     def provides_features(self) -> bool:
