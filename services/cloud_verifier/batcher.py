@@ -50,9 +50,9 @@ from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
 
-# How long after its verdict (or its prompt's prefill) a session's next block or decode step
-# counts as due: an edge's draft, its queue and the round trip take tens to a few hundred
-# milliseconds.
+# How long after its verdict (its prompt's prefill, its generation's end) a session's next
+# block or decode step counts as due: an edge's draft, its queue and the round trip take
+# tens to a few hundred milliseconds.
 NEXT_BLOCK_WITHIN_S = 1.0
 
 
@@ -162,9 +162,9 @@ class Batcher:
         self._generating: list[_Generation] = []
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
         # Sessions whose next block or decode step is due any moment: their verdict went
-        # back, or their prompt is in the cache, and nothing of theirs has come since. Their
-        # rows and since when. A round with nothing else to do prefills only what delays
-        # that work by the share, not a full round.
+        # back, their prompt is in the cache or their generation ended, and nothing of
+        # theirs has come since. Their rows and since when. A round with nothing else to do
+        # prefills only what delays that work by the share, not a full round.
         self._work_due: dict[str, tuple[int, float]] = {}
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         # the thread that loaded the target (None: a new one); the batcher owns it from here
@@ -292,6 +292,8 @@ class Batcher:
         generation.job.session.generating = False  # before its edge sees the last token
         generation.end(None if ok or isinstance(value, SessionClosed) else value)
         self._generating.remove(generation)
+        if ok:  # its edge's next ask or block is due (or its close: that clears it)
+            self._work_due[generation.job.session.key] = (1, time.perf_counter())
 
     async def _collect(self, wait: bool) -> list[_Job]:
         """Block for the first job (unless a prefill is under way, which must go on), then
@@ -314,9 +316,9 @@ class Batcher:
         return jobs
 
     def _due_rows(self, now_s: float) -> int:
-        """The rows of the work due any moment: sessions whose verdict left, or whose prompt
-        went into the cache, within `NEXT_BLOCK_WITHIN_S` (older ones are idle, or their
-        edge is slow: forgotten)."""
+        """The rows of the work due any moment: sessions whose verdict left, whose prompt
+        went into the cache or whose generation ended within `NEXT_BLOCK_WITHIN_S` (older
+        ones are idle, or their edge is slow: forgotten)."""
         due = 0
         for key, (rows, handed_back_s) in list(self._work_due.items()):
             if now_s - handed_back_s > NEXT_BLOCK_WITHIN_S:

@@ -23,6 +23,7 @@ from asymspec.backends.target import (
     fed_rows,
 )
 from asymspec.wire import BlockId, VerifyBlock
+from cloud_verifier import batcher as batcher_module
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.forward_cost import PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
@@ -35,11 +36,12 @@ def session_with_prompt(session_id: int, length: int) -> Session:
     return dataclasses.replace(greedy_cloud_session(session_id), confirmed=prompt)
 
 
-async def first_step(batcher: Batcher, session: Session) -> None:
-    """The decode step a session's edge asks for once its prompt is in the cache (until it
-    comes, the batcher holds other prompts' rounds to the share beside it)."""
-    async for _ in batcher.generate(session, 1):
-        pass
+@pytest.fixture
+def quiet_edges(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Sessions whose edge sends nothing for 10 ms are no longer due (the batcher stops
+    holding other prompts' rounds to the share beside them): what to sleep for that."""
+    monkeypatch.setattr(batcher_module, "NEXT_BLOCK_WITHIN_S", 0.010)
+    return 0.020
 
 
 def new_batcher(target: TargetModel) -> Batcher:
@@ -47,7 +49,9 @@ def new_batcher(target: TargetModel) -> Batcher:
     return Batcher(target, 8, 0.0, metrics, PrefillBudget(chunk_tokens=64, chunk_tokens_shared=8))
 
 
-def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows() -> None:
+def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows(
+    quiet_edges: float,
+) -> None:
     target = RecordingTarget()
     batcher = new_batcher(target)
     decoding = session_with_prompt(1, 4)
@@ -56,7 +60,7 @@ def test_a_round_alone_takes_a_full_chunk_and_one_beside_decodes_a_few_rows() ->
     async def run() -> None:
         batcher.start()
         await batcher.prefill(decoding)
-        await first_step(batcher, decoding)  # no longer due: the rounds after are alone
+        await asyncio.sleep(quiet_edges)  # its edge is quiet: the rounds after are alone
         await batcher.prefill(long)  # alone: 64-token chunks
         opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
         async for _ in batcher.generate(decoding, 6):  # beside decode steps: 8-token chunks
@@ -116,7 +120,7 @@ class PerRowCostTarget(RecordingTarget):
         return out
 
 
-def test_chunks_follow_the_measured_forward_cost() -> None:
+def test_chunks_follow_the_measured_forward_cost(quiet_edges: float) -> None:
     """Alone, a round takes what fits in 100 ms (30 rows at 10 ms + 3 ms a row), not the
     128-row cap; beside a one-row decode step, what adds at most its own 13 ms (4 rows),
     not the 64-row cap."""
@@ -133,7 +137,7 @@ def test_chunks_follow_the_measured_forward_cost() -> None:
     async def run() -> None:
         batcher.start()
         await batcher.prefill(decoding)
-        await first_step(batcher, decoding)
+        await asyncio.sleep(quiet_edges)
         await batcher.prefill(long)
         opening = asyncio.create_task(batcher.prefill(session_with_prompt(3, 301)))
         async for _ in batcher.generate(decoding, 12):
@@ -196,36 +200,43 @@ def test_a_session_between_blocks_keeps_the_long_prompt_in_small_chunks() -> Non
     assert max(rows for rows, _ in chunks[-3:]) >= 24  # alone again once it closed
 
 
-def test_a_prompt_just_cached_keeps_the_long_prompt_in_small_chunks_until_its_first_step() -> None:
-    """A short prompt prefilled beside a long one: its edge asks for the first decode step
-    a moment later (200 ms here). Meanwhile that step is due, so the long prompt's rounds
-    take what delays it by the share (13 ms: 4 rows), not full 100 ms rounds alone (30
-    rows) that the step would then wait behind."""
+def test_a_session_about_to_ask_keeps_the_long_prompt_in_small_chunks() -> None:
+    """A short prompt prefilled beside a long one: its edge asks for decode steps a moment
+    later (200 ms here), and again 200 ms after that generation ended (a paused speculative
+    request asks for a few tokens at a time). Meanwhile its next ask is due, so the long
+    prompt's rounds take what delays it by the share (13 ms: 4 rows), not full 100 ms
+    rounds alone (30 rows) that the ask would then wait behind."""
     target = PerRowCostTarget()
     budget = PrefillBudget(chunk_tokens=128, chunk_tokens_shared=64, round_s=0.100, share=1.0)
     batcher = Batcher(target, 8, 0.0, CloudMetrics.create(CollectorRegistry()), budget)
     measured, short, long = (session_with_prompt(i, n) for i, n in ((1, 61), (2, 5), (3, 801)))
-    first_step_at: list[int] = []  # the round the short prompt's first step ran in
+    waits: list[tuple[int, int]] = []  # the rounds while the short prompt's ask was due
+
+    async def asks_after(pause_s: float, tokens: int) -> None:
+        ended = len(target.rounds)
+        await asyncio.sleep(pause_s)  # its edge's round trip
+        waits.append((ended, len(target.rounds)))
+        async for _ in batcher.generate(short, tokens):
+            pass
 
     async def run() -> None:
         batcher.start()
         await batcher.prefill(measured)  # alone: the cost is measured
-        await first_step(batcher, measured)
+        await batcher.close(measured)
         opening = asyncio.create_task(batcher.prefill(long))
         await asyncio.sleep(0.05)  # the long prompt's rounds are under way, alone
         await batcher.prefill(short)
-        await asyncio.sleep(0.2)  # its edge's round trip
-        first_step_at.append(len(target.rounds))
-        await first_step(batcher, short)
+        await asks_after(0.2, 2)  # its first decode steps
+        await asks_after(0.2, 2)  # the next ones
         await batcher.close(short)
         await opening
         await batcher.stop()
 
     asyncio.run(run())
     long_chunks = [chunks.get("1:3", 0) for chunks, _ in target.rounds]
-    short_prefill = next(i for i, (chunks, _) in enumerate(target.rounds) if "1:2" in chunks)
-    before = [rows for rows in long_chunks[:short_prefill] if rows]
-    waiting = long_chunks[short_prefill + 1 : first_step_at[0]]
-    assert max(before) >= 24, before  # alone, before the short prompt came
-    assert len(waiting) >= 4 and max(waiting) <= 5, waiting  # while its first step was due
+    assert max(long_chunks[: waits[0][0]]) >= 24, long_chunks  # alone, before the short one
+    for start, stop in waits:
+        waiting = long_chunks[start:stop]
+        assert len(waiting) >= 4 and max(waiting) <= 5, (start, long_chunks)
+    assert max(long_chunks[waits[-1][1] :]) >= 24  # alone again once it closed
     assert sum(long_chunks) == 800
