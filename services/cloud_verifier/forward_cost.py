@@ -120,7 +120,9 @@ class PrefillBudget:
         """This round's rows for each prompt, given the tokens each has left in the order
         they are served (the batcher's: fewest left first). ``work_rows``: the verify and
         decode rows in the round or, where it has none, those due any moment (sessions
-        between two blocks), which its prefill must delay by no more than the share."""
+        between two blocks, or about to ask for their first), which its prefill must delay
+        by no more than the share. ``padded_rows``: the rows a forward fed n positions
+        computes, where the engine pads them (None: exactly n)."""
         taken = [0] * len(rests)
         whole_rows = 0
         for i, rest in enumerate(rests):
