@@ -275,11 +275,13 @@ class Batcher:
                     if ok and job.verifies:
                         self._work_due[job.session.key] = (job.rows, handed_back_s)
                 else:
-                    self._advance_generation(job.generation, ok, value)
+                    self._advance_generation(job.generation, ok, value, handed_back_s)
             self._in_flight = []
-            self._advance(chunks)
+            self._advance(chunks, handed_back_s)
 
-    def _advance_generation(self, generation: _Generation, ok: bool, value: Any) -> None:
+    def _advance_generation(
+        self, generation: _Generation, ok: bool, value: Any, handed_back_s: float
+    ) -> None:
         """Hand a generation its round's token; it ends at a stop token, its last token or
         an error."""
         if ok:
@@ -293,7 +295,7 @@ class Batcher:
         generation.end(None if ok or isinstance(value, SessionClosed) else value)
         self._generating.remove(generation)
         if ok:  # its edge's next ask or block is due (or its close: that clears it)
-            self._work_due[generation.job.session.key] = (1, time.perf_counter())
+            self._work_due[generation.job.session.key] = (1, handed_back_s)
 
     async def _collect(self, wait: bool) -> list[_Job]:
         """Block for the first job (unless a prefill is under way, which must go on), then
@@ -340,7 +342,7 @@ class Batcher:
             if take > 0 or rest == 0
         ]
 
-    def _advance(self, chunks: list[_Chunk]) -> None:
+    def _advance(self, chunks: list[_Chunk], handed_back_s: float) -> None:
         """Record the chunks run; a prompt fully in the cache (or failed) resolves its job."""
         for chunk in chunks:
             prefill = chunk.prefill
@@ -353,7 +355,7 @@ class Batcher:
                 self._drop(prefill)
                 # its first block or decode step comes next (a row at least): until it
                 # does, a long prompt's rounds leave room for it, as between two blocks
-                self._work_due[prefill.job.session.key] = (1, time.perf_counter())
+                self._work_due[prefill.job.session.key] = (1, handed_back_s)
 
     def _drop(self, prefill: _Prefill) -> None:
         if prefill in self._prefilling:

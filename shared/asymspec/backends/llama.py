@@ -115,6 +115,16 @@ class _Linear:
         else:
             self.weight = weight
 
+    def computed_rows(self, rows: int) -> int:
+        """The rows its product computes for ``rows`` rows of input (1 or more). oneDNN
+        caches a primitive (~2 MB here) per distinct row count, so ragged batches of every
+        size grew the cloud's memory without bound (1 to 400 rows cost 570 MB): its bf16
+        products pad rows to a few bucket sizes instead (``_row_bucket``). FBGEMM's few-row
+        products and the plain layouts compute exactly the rows they are fed."""
+        if not self.layout.packs_bf16 or (self.few_rows is not None and rows <= _FEW_ROWS):
+            return rows
+        return _row_bucket(rows, _SMALL_BUCKETS_FROM)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         if self.layout is WeightLayout.PLAIN:
             return F.linear(x, self.weight, self.bias)
@@ -129,10 +139,7 @@ class _Linear:
                 x.float().contiguous(), packed, bias
             )
             return out.to(x.dtype)
-        # oneDNN caches a primitive (~2 MB here) per distinct row count, so ragged batches
-        # of every size grew the cloud's memory without bound: 1 to 400 rows cost 570 MB.
-        # Rows are padded to a few bucket sizes instead (``_row_bucket``).
-        bucket = _row_bucket(rows, _SMALL_BUCKETS_FROM)
+        bucket = self.computed_rows(rows)
         if bucket != rows:
             x = F.pad(x, (0, 0, 0, bucket - rows))
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -336,15 +343,10 @@ class LlamaEngine(SessionTable[_Session]):
         return None if self.restricted_head is None else self.restricted_head.ids
 
     def padded_rows(self, rows: int) -> int:
-        """The rows the linear layers compute for a forward fed ``rows`` positions: oneDNN's
-        bf16 products pad to a few bucket sizes (``_row_bucket``), 16 rows at least on AMX,
-        whose tiles make those rows cost the same; FBGEMM's few-row products and the plain
-        layouts compute exactly what they are fed."""
-        if rows == 0 or not self.layout.packs_bf16:
-            return rows
-        if self.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16 and rows <= _FEW_ROWS:
-            return rows
-        return _row_bucket(rows, _SMALL_BUCKETS_FROM)
+        """The rows the linear layers compute for a forward fed ``rows`` positions (every
+        product pads alike, ``_Linear.computed_rows``): 16 at least on AMX, whose tiles
+        make those rows cost the same."""
+        return 0 if rows == 0 else self.layers[0].qkv.computed_rows(rows)
 
     def _new_session(self) -> _Session:
         return _Session()
