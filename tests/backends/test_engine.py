@@ -359,7 +359,7 @@ def test_bf16_engine_with_fp16_packings_for_few_rows_tracks_float32(
 ) -> None:
     half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
     mixed = LlamaEngine(half, few_rows_fp16=True)
-    plain = LlamaEngine(half, few_rows_fp16=False)
+    plain = LlamaEngine(half, few_rows_fp16=False, native_linear=False)
     assert mixed.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16
     assert plain.layout is WeightLayout.ONEDNN_BF16
     sequence = _tokens(62, 40)
@@ -446,7 +446,8 @@ def test_padded_rows_are_the_rows_the_products_compute(
     exact = LlamaEngine(tiny_target_model)  # float32: F.linear on exactly the rows fed
     assert [exact.padded_rows(r) for r in (0, 1, 3, 17)] == [0, 1, 3, 17]
     half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
-    plain, mixed = LlamaEngine(half, few_rows_fp16=False), LlamaEngine(half, few_rows_fp16=True)
+    plain = LlamaEngine(half, few_rows_fp16=False, native_linear=False)
+    mixed = LlamaEngine(half, few_rows_fp16=True)
     assert [plain.padded_rows(r) for r in (0, 17, 129)] == [0, 32, 192]
     assert plain.padded_rows(3) == _row_bucket(3, _SMALL_BUCKETS_FROM)  # 16 on AMX, else 4
     assert mixed.padded_rows(3) == 3  # FBGEMM's few-row products pad nothing

@@ -16,12 +16,8 @@ import torch.nn.functional as F
 
 from asymspec.backends.hardware import cpu_flags
 from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.native_attention import (
-    NativeAttention,
-    NativeAttentionSettings,
-    NativeAttentionUnavailable,
-    build,
-)
+from asymspec.backends.native_attention import LIBS, SOURCE, NativeAttention
+from asymspec.backends.native_build import KernelUnavailable, NativeKernelSettings, build
 from tests.backends.conftest import TINY_VOCAB, build_tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -35,7 +31,7 @@ HEADS, KV_HEADS, LAYERS = 8, 2, 3
 @pytest.fixture(scope="module")
 def native(tmp_path_factory: pytest.TempPathFactory) -> NativeAttention:
     cache = tmp_path_factory.mktemp("kernels")
-    return NativeAttention(build(NativeAttentionSettings(kernel_cache=cache)))
+    return NativeAttention(build(SOURCE, NativeKernelSettings(kernel_cache=cache), LIBS))
 
 
 def _bf16(generator: torch.Generator, *shape: int, std: float = 1.0) -> torch.Tensor:
@@ -148,7 +144,7 @@ def test_settings_switch_the_kernel_off_and_on_demands_it(
     LlamaEngine(model)  # cached: not rebuilt
     assert built[0].stat().st_mtime_ns == stamp
     monkeypatch.setenv("ASYMSPEC_NATIVE_ATTENTION", "on")
-    with pytest.raises(NativeAttentionUnavailable, match="float32"):
+    with pytest.raises(KernelUnavailable, match="float32"):
         LlamaEngine(build_tiny_llama(seed=2, hidden_size=128))  # float32: not for the kernel
     monkeypatch.setenv("ASYMSPEC_NATIVE_ATTENTION", "auto")
     assert LlamaEngine(build_tiny_llama(seed=2, hidden_size=128)).native_attention is None
@@ -161,7 +157,7 @@ def test_no_compiler_leaves_torch_attention(
     monkeypatch.setenv("CC", "no-such-compiler")
     model = build_tiny_llama(seed=2, hidden_size=128).to(torch.bfloat16)
     assert LlamaEngine(model).native_attention is None
-    with pytest.raises(NativeAttentionUnavailable, match="compiler"):
+    with pytest.raises(KernelUnavailable, match="compiler"):
         LlamaEngine(model, native_attention=True)
 
 

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asymspec.backends.engine import NewTokens
-from asymspec.backends.llama import LlamaEngine, _Linear
+from asymspec.backends.llama import LlamaEngine
 
 FEATURE_FC_FILE = "feature_fc.safetensors"
 FC_WEIGHT = "fc.weight"  # [hidden, 2 hidden]: [embed(x_s), h_{s-1}] -> the layer's input
@@ -69,7 +69,7 @@ class FeatureLM:
             raise ValueError(f"fc weight {tuple(fc_weight.shape)}: need ({hidden}, {2 * hidden})")
         self.engine = engine
         self.hidden_size = hidden
-        self.fc = _Linear(fc_weight.to(engine.dtype), None, engine.layout)
+        self.fc = engine.make_linear(fc_weight.to(engine.dtype), None)
         self._last: dict[str, torch.Tensor] = {}  # session -> ĥ at its last position [hidden]
 
     # SessionLM's bookkeeping, delegated

@@ -14,7 +14,11 @@ CPU everything beside the matrix products is what made a forward slow:
 - **logits only where needed**: each batch item says how many trailing rows it needs
   (γ+1 for a verify block, 1 for a decode step, 0 for a prefill chunk), and only those
   rows go through the final norm and the LM head;
-- **prepacked bf16 weights** on CPUs with AMX or AVX512-BF16: oneDNN's packed layout
+- **AMX-tiled bf16 weights** on CPUs with AMX: the native kernel of
+  ``asymspec.backends.native_linear`` streams the weights at close to the memory's
+  bandwidth, about twice as fast as oneDNN's packed products at 1-80 rows;
+- **prepacked bf16 weights** on CPUs with AVX512-BF16 (or AMX without the native kernel):
+  oneDNN's packed layout
   (``mkldnn._reorder_linear_weight``) runs the same bf16 products 1.6x faster than
   ``F.linear`` here (``scripts/forward_cost.py`` records the figures); without AMX, rows
   are padded only to the next power of two below 16 (AMX computes 16-row tiles, AVX512
@@ -50,6 +54,7 @@ from transformers import PreTrainedModel
 from asymspec.backends.engine import NewTokens, SessionTable
 from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported
 from asymspec.backends.native_attention import MAX_NEW_TOKENS, NativeAttention
+from asymspec.backends.native_linear import NativeLinear, pack_weight
 
 log = logging.getLogger("asymspec.engine")
 
@@ -84,6 +89,7 @@ class WeightLayout(enum.Enum):
     """How the engine stores the linear layers' weights (chosen once, at load)."""
 
     PLAIN = "plain"  # the model's own tensors, F.linear
+    AMX_NATIVE = "AMX-tiled bf16 (native kernel)"  # CPUs with AMX: native_linear.c
     ONEDNN_BF16 = "oneDNN-packed bf16"  # CPUs with AMX / AVX512-BF16
     # AVX512-BF16 without AMX: also FBGEMM fp16 packings for products of a few rows
     ONEDNN_BF16_FEW_ROWS_FP16 = "oneDNN-packed bf16 (FBGEMM float16 for few rows)"
@@ -91,20 +97,38 @@ class WeightLayout(enum.Enum):
 
     @property
     def packs_bf16(self) -> bool:
+        """oneDNN's packed bf16 weights."""
         return self in (WeightLayout.ONEDNN_BF16, WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16)
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether its products compute more rows than they are fed (``_Linear.computed_rows``)."""
+        return self.packs_bf16 or self is WeightLayout.AMX_NATIVE
 
 
 class _Linear:
     """``y = x W^T (+ b)``, with W prepacked where that is faster (``WeightLayout``)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, layout: WeightLayout
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layout: WeightLayout,
+        native: NativeLinear | None = None,
     ) -> None:
+        """``native``: the kernel, for the AMX_NATIVE layout (and only for it)."""
+        if (native is not None) != (layout is WeightLayout.AMX_NATIVE):
+            raise ValueError("the native kernel goes with the AMX_NATIVE layout only")
         self.layout = layout
         self.bias = bias
+        self.native = native
+        self.out_features = int(weight.shape[0])
         # (FBGEMM fp16 packing, float32 bias) for products of at most _FEW_ROWS rows
         self.few_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        if layout.packs_bf16:
+        if native is not None:
+            self.weight = pack_weight(weight)
+            self.bias = None if bias is None else bias.float().contiguous()
+        elif layout.packs_bf16:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
             if layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16:
                 # bf16's 8-bit mantissa fits fp16's 11 bits: the same weights (but for the
@@ -119,13 +143,18 @@ class _Linear:
         """The rows its product computes for ``rows`` rows of input (1 or more). oneDNN
         caches a primitive (~2 MB here) per distinct row count, so ragged batches of every
         size grew the cloud's memory without bound (1 to 400 rows cost 570 MB): its bf16
-        products pad rows to a few bucket sizes instead (``_row_bucket``). FBGEMM's few-row
-        products and the plain layouts compute exactly the rows they are fed."""
+        products pad rows to a few bucket sizes instead (``_row_bucket``). The native AMX
+        kernel computes whole 16-row tiles. FBGEMM's few-row products and the plain layouts
+        compute exactly the rows they are fed."""
+        if self.layout is WeightLayout.AMX_NATIVE:
+            return -(-rows // 16) * 16
         if not self.layout.packs_bf16 or (self.few_rows is not None and rows <= _FEW_ROWS):
             return rows
         return _row_bucket(rows, _SMALL_BUCKETS_FROM)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        if self.native is not None:
+            return self.native(x, self.weight, self.out_features, self.bias)
         if self.layout is WeightLayout.PLAIN:
             return F.linear(x, self.weight, self.bias)
         if self.layout is WeightLayout.FBGEMM_FP16:
@@ -214,12 +243,20 @@ class _Session:
 
 
 def _weight_layout(
-    model: PreTrainedModel, dtype: torch.dtype, fp16_weights: bool, few_rows_fp16: bool | None
+    model: PreTrainedModel,
+    dtype: torch.dtype,
+    fp16_weights: bool,
+    few_rows_fp16: bool | None,
+    native: NativeLinear | None,
 ) -> WeightLayout:
-    """oneDNN packing pays on CPUs in bf16 (AMX / AVX512-BF16 kernels), with FBGEMM fp16
-    packings beside it for few rows where there is no AMX (``few_rows_fp16``, None: where it
-    pays); FBGEMM fp16 alone only when asked for (it changes the weights' precision, so the
-    exact float32 mode is not it)."""
+    """The native AMX kernel where it loaded (``native``); else oneDNN packing pays on CPUs
+    in bf16 (AMX / AVX512-BF16 kernels), with FBGEMM fp16 packings beside it for few rows
+    where there is no AMX (``few_rows_fp16``, None: where it pays); FBGEMM fp16 alone only
+    when asked for (it changes the weights' precision, so the exact float32 mode is not it)."""
+    if native is not None:
+        if fp16_weights or few_rows_fp16:
+            raise ValueError("fp16 weights are not for the native AMX kernel: turn it off")
+        return WeightLayout.AMX_NATIVE
     on_cpu = model.device.type == "cpu"
     if fp16_weights:
         if not (on_cpu and dtype == torch.float32 and fp16_weights_supported()):
@@ -253,10 +290,13 @@ class LlamaEngine(SessionTable[_Session]):
         fp16_weights: bool = False,
         few_rows_fp16: bool | None = None,
         native_attention: bool | None = None,
+        native_linear: bool | None = None,
     ) -> None:
         """``native_attention``: the native decode/verify attention kernel (True: required,
         False: never; None: as ``ASYMSPEC_NATIVE_ATTENTION`` says, by default where it
-        builds and suits the model; see ``asymspec.backends.native_attention``)."""
+        builds and suits the model; see ``asymspec.backends.native_attention``).
+        ``native_linear``: the native AMX products, alike (``ASYMSPEC_NATIVE_LINEAR``,
+        ``asymspec.backends.native_linear``); never with fp16 weights."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
@@ -271,7 +311,15 @@ class LlamaEngine(SessionTable[_Session]):
             getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         )
         self.eps = float(config.rms_norm_eps)
-        self.layout = _weight_layout(model, self.dtype, fp16_weights, few_rows_fp16)
+        widths = [int(config.hidden_size), self.num_heads * self.head_dim]
+        widths.append(int(config.intermediate_size))
+        wants_fp16 = fp16_weights or bool(few_rows_fp16)
+        self.native_linear = NativeLinear.for_engine(
+            self.dtype, model.device, widths, False if wants_fp16 else native_linear
+        )
+        self.layout = _weight_layout(
+            model, self.dtype, fp16_weights, few_rows_fp16, self.native_linear
+        )
         self._build(model)
         self.native_attention = NativeAttention.for_engine(
             self.dtype, model.device, self.head_dim, native_attention
@@ -305,16 +353,16 @@ class LlamaEngine(SessionTable[_Session]):
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=_Linear(qkv_w, qkv_b, self.layout),
-                    o=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.layout),
+                    qkv=self.make_linear(qkv_w, qkv_b),
+                    o=self.make_linear(attn.o_proj.weight, attn.o_proj.bias),
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up=_Linear(gate_up_w, gate_up_b, self.layout),
-                    down=_Linear(mlp.down_proj.weight, mlp.down_proj.bias, self.layout),
+                    gate_up=self.make_linear(gate_up_w, gate_up_b),
+                    down=self.make_linear(mlp.down_proj.weight, mlp.down_proj.bias),
                     down_in=int(mlp.down_proj.weight.shape[1]),
                 )
             )
         self.final_norm = inner.norm.weight
-        self.head = _Linear(model.lm_head.weight, None, self.layout)
+        self.head = self.make_linear(model.lm_head.weight, None)
         self.restricted_head: RestrictedHead | None = None  # set by restrict_head
         self.scaling = self.head_dim**-0.5
         rotary = inner.rotary_emb
@@ -326,6 +374,10 @@ class LlamaEngine(SessionTable[_Session]):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
         self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
+        """A linear layer in this engine's weight layout."""
+        return _Linear(weight, bias, self.layout, self.native_linear)
 
     # ------------------------------------------------------------------ sessions
 
@@ -598,7 +650,7 @@ class LlamaEngine(SessionTable[_Session]):
             raise ValueError(
                 f"head token ids must be a non-empty subset of 0..{self.vocab_size - 1}"
             )
-        self.head = _Linear(self.model.lm_head.weight[ids].contiguous(), None, self.layout)
+        self.head = self.make_linear(self.model.lm_head.weight[ids].contiguous(), None)
         self.restricted_head = RestrictedHead.of(ids, self.vocab_size)
         log.info("LlamaEngine: LM head restricted to %d of %d tokens", ids.numel(), self.vocab_size)
 

@@ -18,9 +18,7 @@ AVX512-BF16 dot products on keys transposed 16 at a time. The value sums are flo
 for a decode step's few queries; for a verify block's, AMX tile products of the weights
 split into two bf16 parts.
 
-It is compiled on first use with the machine's C compiler (``-march=native``: the machine
-that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
-ctypes; no torch headers, so a build takes about half a second. It needs a bfloat16 model
+It is built and loaded by ``asymspec.backends.native_build``. It needs a bfloat16 model
 on a CPU with AVX512-BF16 (every CPU for which the engine picks bf16 has it). Where there
 is no compiler, or the setting says ``off``, the engine keeps the per-session calls.
 """
@@ -28,66 +26,29 @@ is no compiler, or the setting says ``off``, the engine keeps the per-session ca
 from __future__ import annotations
 
 import ctypes
-import enum
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from asymspec.backends.hardware import cpu_flags, cpu_model
+from asymspec.backends.hardware import cpu_flags
+from asymspec.backends.native_build import (
+    KernelUnavailable,
+    KernelUse,
+    NativeKernelSettings,
+    build,
+)
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_attention.c")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LIBS = ("-lmvec", "-lm")  # glibc's vector math: the softmax's expf, 16 lanes at a time
 # Above this many new tokens per session (prefill chunks) torch's flash kernel is faster:
 # its blocked products beat this kernel's per-query dot products.
 MAX_NEW_TOKENS = 16
-
-
-class NativeAttentionUse(enum.StrEnum):
-    AUTO = "auto"  # where it builds and the model and CPU suit it
-    ON = "on"  # the same, but failing to build is an error
-    OFF = "off"  # torch's attention, one call per session and layer
-
-
-class NativeAttentionSettings(BaseSettings):
-    """Read from the environment (prefix ASYMSPEC_) when an engine is built."""
-
-    model_config = SettingsConfigDict(env_prefix="ASYMSPEC_", extra="ignore")
-
-    native_attention: NativeAttentionUse = Field(
-        NativeAttentionUse.AUTO,
-        description="The native decode/verify attention kernel: auto, on or off.",
-    )
-    kernel_cache: Path = Field(
-        Path.home() / ".cache" / "asymspec" / "kernels",
-        description="Where the native kernel is compiled to (one file per source, CPU and "
-        "compiler).",
-    )
-
-    @property
-    def wanted(self) -> bool:
-        return self.native_attention != NativeAttentionUse.OFF
-
-    @property
-    def required(self) -> bool:
-        return self.native_attention == NativeAttentionUse.ON
-
-
-class NativeAttentionUnavailable(RuntimeError):
-    """The kernel cannot run here (no compiler, no AVX512-BF16, an unsupported model)."""
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
@@ -101,58 +62,6 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) 
     if head_dim % 32 != 0 or head_dim > 256:
         return f"head size {head_dim} is not a multiple of 32 up to 256"
     return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _library_path(cache: Path, compiler: str) -> Path:
-    """The cached build's path: a hash of everything that changes the machine code."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout.splitlines()[:1]
-    key = hashlib.sha256()
-    recipe = " ".join(CFLAGS + LIBS) + " compiled, then linked apart"
-    for part in (SOURCE.read_bytes(), recipe.encode(), *map(str.encode, version)):
-        key.update(part)
-    key.update(cpu_model().encode())
-    key.update(" ".join(sorted(cpu_flags())).encode())
-    return cache / f"native_attention-{key.hexdigest()[:16]}.so"
-
-
-def build(settings: NativeAttentionSettings) -> Path:
-    """Compile the kernel unless this machine's build is cached; returns the library."""
-    compiler = _compiler()
-    if compiler is None:
-        raise NativeAttentionUnavailable("no C compiler (cc, or $CC) on PATH")
-    cache = settings.kernel_cache.expanduser()
-    library = _library_path(cache, compiler)
-    if library.is_file():
-        return library
-    cache.mkdir(parents=True, exist_ok=True)
-    # Two services may build at once: each writes its own file and renames it into place.
-    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
-    os.close(fd)
-    obj = partial.removesuffix(".so.partial") + ".o"
-    # Compiled and linked apart: linking with -ffast-math would add crtfastmath.o, which on
-    # loading sets flush-to-zero for the whole process (torch's and numpy's arithmetic too).
-    commands = [
-        [compiler, *CFLAGS, "-fPIC", "-c", str(SOURCE), "-o", obj],
-        [compiler, "-shared", "-fopenmp", obj, "-o", partial, *LIBS],
-    ]
-    try:
-        for command in commands:
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                Path(partial).unlink(missing_ok=True)
-                message = f"{' '.join(command)} failed:\n{done.stderr[-2000:]}"
-                raise NativeAttentionUnavailable(message)
-    finally:
-        Path(obj).unlink(missing_ok=True)
-    os.replace(partial, library)
-    log.info("native attention: built %s", library)
-    return library
 
 
 _P = ctypes.c_void_p
@@ -203,19 +112,19 @@ class NativeAttention:
     ) -> NativeAttention | None:
         """The kernel if it is wanted and can run here; else None (logged why). ``use``:
         True requires it, False declines it, None leaves it to the settings."""
-        settings = NativeAttentionSettings()
+        settings = NativeKernelSettings()
+        choice = settings.native_attention
         if use is not None:
-            choice = NativeAttentionUse.ON if use else NativeAttentionUse.OFF
-            settings = settings.model_copy(update={"native_attention": choice})
-        if not settings.wanted:
+            choice = KernelUse.ON if use else KernelUse.OFF
+        if not choice.wanted:
             return None
         reason = unsupported_reason(dtype, device, head_dim)
         try:
             if reason is not None:
-                raise NativeAttentionUnavailable(reason)
-            return cls(build(settings))
-        except (NativeAttentionUnavailable, OSError) as error:
-            if settings.required:
+                raise KernelUnavailable(reason)
+            return cls(build(SOURCE, settings, LIBS))
+        except (KernelUnavailable, OSError) as error:
+            if choice.required:
                 raise
             log.info("native attention off: %s", str(error).splitlines()[0])
             return None

@@ -92,7 +92,7 @@ class TargetModel:
         """The rows a forward fed n positions computes, where the engine pads its products'
         rows (oneDNN's bf16 buckets, 16-row tiles on AMX); None where it computes exactly
         the rows it is fed."""
-        if isinstance(self.lm, LlamaEngine) and self.lm.layout.packs_bf16:
+        if isinstance(self.lm, LlamaEngine) and self.lm.layout.pads_rows:
             return self.lm.padded_rows
         return None
 
