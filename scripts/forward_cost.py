@@ -7,7 +7,8 @@ One batched ``forward_new`` over B sessions (held-out HumanEval prompts as cache
 prefixes, ~50-200 tokens) with n new tokens each: n = 1 is a decode step (logits for 1 row
 per session), n = γ + 1 = 5 the verification of one γ = 4 block (logits for all 5 rows).
 Median of repeats, the cache rolled back after each. Engines: ``CachedLM`` (transformers,
-float32: what main ran before the new engine) and ``LlamaEngine`` in float32, bfloat16 and,
+float32: what main ran before the new engine) and ``LlamaEngine`` in float32, bfloat16 (on
+AMX CPUs also with oneDNN's products instead of the native kernel's: ``bfloat16-oneDNN``) and,
 on x86 CPUs with AVX2, float32 with float16 weights (FBGEMM).
 Also the roofline: the same layers' matrix products alone (``matmul_only``), so what an
 engine adds beside them is visible. Writes ``forward_cost.json`` and ``forward_cost.txt``,
@@ -27,7 +28,7 @@ import torch
 
 from asymspec.backends.embedded import EMBEDDED_TARGET
 from asymspec.backends.engine import CachedLM, SessionLM
-from asymspec.backends.hardware import fp16_weights_supported, machine_facts
+from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported, machine_facts
 from asymspec.backends.llama import LlamaEngine
 from asymspec.backends.loading import load_causal_lm
 from asymspec.prompts import humaneval_prompts
@@ -113,6 +114,15 @@ def main() -> None:
         ("LlamaEngine", "float32", torch.float32, LlamaEngine),
         ("LlamaEngine", "bfloat16", torch.bfloat16, LlamaEngine),
     ]
+    if cpu_has_amx():  # the default bf16 engine runs the native AMX products; oneDNN's beside
+        engines.append(
+            (
+                "LlamaEngine",
+                "bfloat16-oneDNN",
+                torch.bfloat16,
+                lambda model: LlamaEngine(model, native_linear=False),
+            )
+        )
     if fp16_weights_supported():  # x86 with AVX2: FBGEMM's fp16 weights, fp32 activations
         engines.append(
             (

@@ -55,6 +55,7 @@ from asymspec.backends.engine import NewTokens, SessionTable
 from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported
 from asymspec.backends.native_attention import MAX_NEW_TOKENS, NativeAttention
 from asymspec.backends.native_linear import NativeLinear, pack_weight
+from asymspec.backends.native_pointwise import NativePointwise
 
 log = logging.getLogger("asymspec.engine")
 
@@ -291,12 +292,15 @@ class LlamaEngine(SessionTable[_Session]):
         few_rows_fp16: bool | None = None,
         native_attention: bool | None = None,
         native_linear: bool | None = None,
+        native_pointwise: bool | None = None,
     ) -> None:
         """``native_attention``: the native decode/verify attention kernel (True: required,
         False: never; None: as ``ASYMSPEC_NATIVE_ATTENTION`` says, by default where it
         builds and suits the model; see ``asymspec.backends.native_attention``).
         ``native_linear``: the native AMX products, alike (``ASYMSPEC_NATIVE_LINEAR``,
-        ``asymspec.backends.native_linear``); never with fp16 weights."""
+        ``asymspec.backends.native_linear``); never with fp16 weights. ``native_pointwise``:
+        the fused norms, rotary and SiLU, alike (``ASYMSPEC_NATIVE_POINTWISE``,
+        ``asymspec.backends.native_pointwise``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
@@ -324,12 +328,16 @@ class LlamaEngine(SessionTable[_Session]):
         self.native_attention = NativeAttention.for_engine(
             self.dtype, model.device, self.head_dim, native_attention
         )
+        self.pointwise = NativePointwise.for_engine(
+            self.dtype, model.device, self.head_dim, native_pointwise
+        )
         log.info(
-            "LlamaEngine: %d layers, %s on %s, %s weights, %s attention",
+            "LlamaEngine: %d layers, %s on %s, %s weights, %s pointwise, %s attention",
             len(self.layers),
             self.dtype,
             model.device,
             self.layout.value,
+            "native" if self.pointwise is not None else "torch",
             "native" if self.native_attention is not None else "torch",
         )
 
@@ -533,14 +541,22 @@ class LlamaEngine(SessionTable[_Session]):
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_scale = self.scaling
 
+        # x: the residual stream, this forward's own tensor (the native pointwise kernel
+        # adds to it in place); h: its normed rows, the next product's input.
         if inputs is None:
             x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
         else:
-            x = inputs.to(device=device, dtype=self.dtype)
+            x = inputs.to(device=device, dtype=self.dtype, copy=True)
+        pointwise = self.pointwise
+        h = self._norm(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms_norm(x, layer.input_norm))  # [T, (H + 2 H_kv) D]
+            qkv = layer.qkv(h)  # [T, (H + 2 H_kv) D]
             qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
-            qk = _rotate(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
+            qk = qk.view(-1, h_q + h_kv, d)  # [T, H + H_kv, D]
+            if pointwise is not None:
+                pointwise.rotary(qk, cos[:, 0], sin[:, 0])  # in place, in qkv
+            else:
+                qk = _rotate(qk, cos, sin)
             if plan is not None:
                 assert native is not None
                 attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
@@ -571,9 +587,15 @@ class LlamaEngine(SessionTable[_Session]):
                         for b, (start, n) in enumerate(zip(row0, counts, strict=True))
                     ]
                 )
-            x = x + layer.o(attn.view(-1, h_q * d))
-            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x, h = self._add_norm(x, layer.o(attn.view(-1, h_q * d)), layer.post_norm)
+            gate_up = layer.gate_up(h)
+            if pointwise is not None:
+                act = pointwise.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            x, h = self._add_norm(x, layer.down(act), following)
 
         # Per item the last max(keep, feature) rows go through the final norm once; the
         # logits come from its last `keep` and the features are its last `feature`.
@@ -671,6 +693,23 @@ class LlamaEngine(SessionTable[_Session]):
         """transformers' LlamaRMSNorm: the variance in float32, the scale in the weight's dtype."""
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op
         return weight * normed.to(x.dtype)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``_rms_norm``, by the native pointwise kernel where there is one."""
+        if self.pointwise is not None:
+            return self.pointwise.rms_norm(x, weight, self.eps)
+        return self._rms_norm(x, weight)
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding ``delta``, and its ``_rms_norm`` by ``weight``
+        (None: the last layer's output, normed later and only on the rows kept, so x)."""
+        if self.pointwise is not None:
+            normed = self.pointwise.add_rms_norm(x, delta, weight, self.eps)  # x in place
+            return x, x if normed is None else normed
+        x = x + delta
+        return x, x if weight is None else self._rms_norm(x, weight)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Building the engine's native C kernels (``native_attention.c``, ``native_linear.c``).
+"""Building the engine's native C kernels (``native_attention.c``, ``native_linear.c``,
+``native_pointwise.c``).
 
 Each kernel is compiled on first use with the machine's C compiler (``-march=native``: the
 machine that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
@@ -54,6 +55,11 @@ class NativeKernelSettings(BaseSettings):
     native_linear: KernelUse = Field(
         KernelUse.AUTO,
         description="The native AMX bf16 products (the linear layers): auto, on or off.",
+    )
+    native_pointwise: KernelUse = Field(
+        KernelUse.AUTO,
+        description="The native fused pointwise work of a layer (norms, rotary, SiLU): "
+        "auto, on or off.",
     )
     kernel_cache: Path = Field(
         Path.home() / ".cache" / "asymspec" / "kernels",

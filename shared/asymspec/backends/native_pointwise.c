@@ -1,0 +1,103 @@
+/* A decoder layer's pointwise work in bf16, fused: RMSNorm (with the residual add before
+ * it), the rotary embedding, and SiLU(gate) * up.
+ *
+ * Why: in torch each is 2-5 ops, ~17 a layer, each paying dispatch and an OpenMP fork on a
+ * few kilobytes of data; at 16 to 80 rows they cost as much as a quarter of a forward
+ * (loadtest/results/native-linear/). Here each is one call, one thread, one pass.
+ *
+ * The roundings are torch's on the same bf16 tensors, op by op, so the results are the
+ * ones transformers' Llama computes in bf16 up to float32 evaluation order: the norm's
+ * variance and scale in float32 then rounded, the weight product rounded; the rotary's
+ * two products and their sum each rounded; SiLU in float32 rounded, then the product.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch does (inputs here are finite). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+static void norm_row(const uint16_t* x, int64_t H, const uint16_t* w, float eps, uint16_t* out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < H; i++) {
+        const float v = bf16_to_f32(x[i]);
+        sum += v * v;
+    }
+    const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) {
+        const float normed = round_bf16(bf16_to_f32(x[i]) * scale);
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+    }
+}
+
+/* out = weight * RMSNorm(x), rows x H. */
+void asymspec_rms_norm(const uint16_t* x, int64_t rows, int64_t H, const uint16_t* w, float eps,
+                       uint16_t* out) {
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * H, H, w, eps, out + r * H);
+}
+
+/* x += delta (the residual), then out = weight * RMSNorm(x); w NULL: the add alone. */
+void asymspec_add_rms_norm(uint16_t* x, const uint16_t* delta, int64_t rows, int64_t H,
+                           const uint16_t* w, float eps, uint16_t* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t* xr = x + r * H;
+        const uint16_t* dr = delta + r * H;
+        for (int64_t i = 0; i < H; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(dr[i]));
+        if (w) norm_row(xr, H, w, eps, out + r * H);
+    }
+}
+
+/* In place over `heads` heads of size D in each of `rows` rows (row stride `stride`
+ * elements): x * cos + rotate_half(x) * sin, with cos and sin [rows, D]. */
+void asymspec_rotary(uint16_t* qk, int64_t rows, int64_t stride, int64_t heads, int64_t D,
+                     const uint16_t* cos, const uint16_t* sin) {
+    const int64_t half = D / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* c = cos + r * D;
+        const uint16_t* s = sin + r * D;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t* x = qk + r * stride + h * D;
+            float lo[256], hi[256]; /* head sizes up to 512 */
+            for (int64_t i = 0; i < half; i++) {
+                lo[i] = bf16_to_f32(x[i]);
+                hi[i] = bf16_to_f32(x[i + half]);
+            }
+            for (int64_t i = 0; i < half; i++) {
+                const float a = round_bf16(lo[i] * bf16_to_f32(c[i]));
+                const float b = round_bf16(-hi[i] * bf16_to_f32(s[i]));
+                x[i] = f32_to_bf16(a + b);
+                const float a2 = round_bf16(hi[i] * bf16_to_f32(c[i + half]));
+                const float b2 = round_bf16(lo[i] * bf16_to_f32(s[i + half]));
+                x[i + half] = f32_to_bf16(a2 + b2);
+            }
+        }
+    }
+}
+
+/* out[r, i] = SiLU(gate[r, i]) * up[r, i], where each row of gate_up is [gate (I) | up (I)]. */
+void asymspec_silu_mul(const uint16_t* gate_up, int64_t rows, int64_t I, uint16_t* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* g = gate_up + r * 2 * I;
+        const uint16_t* u = g + I;
+        uint16_t* o = out + r * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float v = bf16_to_f32(g[i]);
+            const float silu = round_bf16(v / (1.0f + expf(-v)));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}
