@@ -14,6 +14,29 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+static inline __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* vcvtneps2bf16 rounds to nearest even, as torch does (for normal numbers; it flushes
+ * float32 subnormals, below 1.2e-38, which activations do not reach). */
+static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+static inline __m512 round16(__m512 v) {
+    const __m512i wide = _mm512_cvtepu16_epi32(to_bf16x16(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, to_bf16x16(v)); }
+#else
+#define HAVE_AVX512_BF16 0
+#endif
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -66,6 +89,28 @@ void asymspec_add_rms_norm(uint16_t* x, const uint16_t* delta, int64_t rows, int
 void asymspec_rotary(uint16_t* qk, int64_t rows, int64_t stride, int64_t heads, int64_t D,
                      const uint16_t* cos, const uint16_t* sin) {
     const int64_t half = D / 2;
+#if HAVE_AVX512_BF16
+    if (half % 16 == 0) {
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t* c = cos + r * D;
+            const uint16_t* s = sin + r * D;
+            for (int64_t h = 0; h < heads; h++) {
+                uint16_t* x = qk + r * stride + h * D;
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __m512 lo = load16(x + i), hi = load16(x + half + i);
+                    const __m512 a = round16(_mm512_mul_ps(lo, load16(c + i)));
+                    const __m512 b = round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
+                                                           load16(s + i)));
+                    const __m512 a2 = round16(_mm512_mul_ps(hi, load16(c + half + i)));
+                    const __m512 b2 = round16(_mm512_mul_ps(lo, load16(s + half + i)));
+                    store16(x + i, _mm512_add_ps(a, b));
+                    store16(x + half + i, _mm512_add_ps(a2, b2));
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* c = cos + r * D;
         const uint16_t* s = sin + r * D;
@@ -94,7 +139,7 @@ void asymspec_silu_mul(const uint16_t* gate_up, int64_t rows, int64_t I, uint16_
         const uint16_t* g = gate_up + r * 2 * I;
         const uint16_t* u = g + I;
         uint16_t* o = out + r * I;
-        for (int64_t i = 0; i < I; i++) {
+        for (int64_t i = 0; i < I; i++) { /* gcc vectorizes it, expf through libmvec */
             const float v = bf16_to_f32(g[i]);
             const float silu = round_bf16(v / (1.0f + expf(-v)));
             o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
