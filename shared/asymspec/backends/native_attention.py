@@ -35,12 +35,7 @@ import numpy as np
 import torch
 
 from asymspec.backends.hardware import cpu_flags
-from asymspec.backends.native_build import (
-    KernelUnavailable,
-    KernelUse,
-    NativeKernelSettings,
-    build,
-)
+from asymspec.backends.native_build import build, load_kernel
 
 log = logging.getLogger(__name__)
 
@@ -112,22 +107,10 @@ class NativeAttention:
     ) -> NativeAttention | None:
         """The kernel if it is wanted and can run here; else None (logged why). ``use``:
         True requires it, False declines it, None leaves it to the settings."""
-        settings = NativeKernelSettings()
-        choice = settings.native_attention
-        if use is not None:
-            choice = KernelUse.ON if use else KernelUse.OFF
-        if not choice.wanted:
-            return None
         reason = unsupported_reason(dtype, device, head_dim)
-        try:
-            if reason is not None:
-                raise KernelUnavailable(reason)
-            return cls(build(SOURCE, settings, LIBS))
-        except (KernelUnavailable, OSError) as error:
-            if choice.required:
-                raise
-            log.info("native attention off: %s", str(error).splitlines()[0])
-            return None
+        return load_kernel(
+            "attention", use, reason, lambda settings: cls(build(SOURCE, settings, LIBS))
+        )
 
     @staticmethod
     def plan(

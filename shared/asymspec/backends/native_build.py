@@ -17,7 +17,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,6 +29,7 @@ from asymspec.backends.hardware import cpu_flags, cpu_model
 log = logging.getLogger(__name__)
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+Kernel = TypeVar("Kernel")
 
 
 class KernelUse(enum.StrEnum):
@@ -122,3 +125,30 @@ def build(source: Path, settings: NativeKernelSettings, libs: tuple[str, ...] = 
     os.replace(partial, library)
     log.info("native kernel: built %s", library)
     return library
+
+
+def load_kernel(
+    name: str,
+    use: bool | None,
+    reason: str | None,
+    load: Callable[[NativeKernelSettings], Kernel],
+) -> Kernel | None:
+    """Kernel ``name`` (its setting is ``native_<name>``) if it is wanted and can run here,
+    by ``load`` (which builds and opens it); else None, logged why. ``use``: True requires
+    it (failing is an error), False declines it, None leaves it to the settings.
+    ``reason``: why the model or CPU does not suit it, None when they do."""
+    settings = NativeKernelSettings()
+    choice: KernelUse = getattr(settings, f"native_{name}")
+    if use is not None:
+        choice = KernelUse.ON if use else KernelUse.OFF
+    if not choice.wanted:
+        return None
+    try:
+        if reason is not None:
+            raise KernelUnavailable(reason)
+        return load(settings)
+    except (KernelUnavailable, OSError) as error:
+        if choice.required:
+            raise
+        log.info("native %s off: %s", name, str(error).splitlines()[0])
+        return None

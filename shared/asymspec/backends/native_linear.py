@@ -14,21 +14,13 @@ bias added in float32, the result rounded to bf16 (nearest even).
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from asymspec.backends.hardware import cpu_has_amx
-from asymspec.backends.native_build import (
-    KernelUnavailable,
-    KernelUse,
-    NativeKernelSettings,
-    build,
-)
-
-log = logging.getLogger(__name__)
+from asymspec.backends.native_build import KernelUnavailable, build, load_kernel
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 K_MULTIPLE = 32  # a tile's depth: every input width must be a multiple of it
@@ -88,22 +80,8 @@ class NativeLinear:
     ) -> NativeLinear | None:
         """The kernel if it is wanted and can run here; else None (logged why). ``use``:
         True requires it, False declines it, None leaves it to the settings."""
-        settings = NativeKernelSettings()
-        choice = settings.native_linear
-        if use is not None:
-            choice = KernelUse.ON if use else KernelUse.OFF
-        if not choice.wanted:
-            return None
         reason = unsupported_reason(dtype, device, in_features)
-        try:
-            if reason is not None:
-                raise KernelUnavailable(reason)
-            return cls(build(SOURCE, settings))
-        except (KernelUnavailable, OSError) as error:
-            if choice.required:
-                raise
-            log.info("native linear off: %s", str(error).splitlines()[0])
-            return None
+        return load_kernel("linear", use, reason, lambda settings: cls(build(SOURCE, settings)))
 
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None

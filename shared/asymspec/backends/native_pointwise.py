@@ -11,19 +11,11 @@ engine keeps torch's ops elsewhere, and in float32).
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from asymspec.backends.native_build import (
-    KernelUnavailable,
-    KernelUse,
-    NativeKernelSettings,
-    build,
-)
-
-log = logging.getLogger(__name__)
+from asymspec.backends.native_build import build, load_kernel
 
 SOURCE = Path(__file__).with_name("native_pointwise.c")
 LIBS = ("-lmvec", "-lm")  # glibc's vector expf for SiLU
@@ -65,22 +57,10 @@ class NativePointwise:
     ) -> NativePointwise | None:
         """The kernel if it is wanted and can run here; else None (logged why). ``use``:
         True requires it, False declines it, None leaves it to the settings."""
-        settings = NativeKernelSettings()
-        choice = settings.native_pointwise
-        if use is not None:
-            choice = KernelUse.ON if use else KernelUse.OFF
-        if not choice.wanted:
-            return None
         reason = unsupported_reason(dtype, device, head_dim)
-        try:
-            if reason is not None:
-                raise KernelUnavailable(reason)
-            return cls(build(SOURCE, settings, LIBS))
-        except (KernelUnavailable, OSError) as error:
-            if choice.required:
-                raise
-            log.info("native pointwise off: %s", str(error).splitlines()[0])
-            return None
+        return load_kernel(
+            "pointwise", use, reason, lambda settings: cls(build(SOURCE, settings, LIBS))
+        )
 
     @staticmethod
     def _check(*tensors: torch.Tensor) -> None:

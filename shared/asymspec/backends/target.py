@@ -90,7 +90,7 @@ class TargetModel:
     @property
     def padded_rows(self) -> Callable[[int], int] | None:
         """The rows a forward fed n positions computes, where the engine pads its products'
-        rows (oneDNN's bf16 buckets, 16-row tiles on AMX); None where it computes exactly
+        rows (16-row AMX tiles, oneDNN's bf16 buckets); None where it computes exactly
         the rows it is fed."""
         if isinstance(self.lm, LlamaEngine) and self.lm.layout.pads_rows:
             return self.lm.padded_rows
