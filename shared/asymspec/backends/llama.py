@@ -254,9 +254,7 @@ def _weight_layout(
     in bf16 (AMX / AVX512-BF16 kernels), with FBGEMM fp16 packings beside it for few rows
     where there is no AMX (``few_rows_fp16``, None: where it pays); FBGEMM fp16 alone only
     when asked for (it changes the weights' precision, so the exact float32 mode is not it)."""
-    if native is not None:
-        if fp16_weights or few_rows_fp16:
-            raise ValueError("fp16 weights are not for the native AMX kernel: turn it off")
+    if native is not None:  # never with fp16 weights: the engine does not load it then
         return WeightLayout.AMX_NATIVE
     on_cpu = model.device.type == "cpu"
     if fp16_weights:
@@ -547,16 +545,13 @@ class LlamaEngine(SessionTable[_Session]):
             x = self.embed[torch.tensor(ids, device=device)]  # [T, hidden]
         else:
             x = inputs.to(device=device, dtype=self.dtype, copy=True)
-        pointwise = self.pointwise
+        if self.pointwise is not None:  # the kernel takes [T, D]: views made once
+            cos, sin = cos[:, 0], sin[:, 0]
         h = self._norm(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)  # [T, (H + 2 H_kv) D]
             qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
-            qk = qk.view(-1, h_q + h_kv, d)  # [T, H + H_kv, D]
-            if pointwise is not None:
-                pointwise.rotary(qk, cos[:, 0], sin[:, 0])  # in place, in qkv
-            else:
-                qk = _rotate(qk, cos, sin)
+            qk = self._rotary(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
             if plan is not None:
                 assert native is not None
                 attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
@@ -588,12 +583,7 @@ class LlamaEngine(SessionTable[_Session]):
                     ]
                 )
             x, h = self._add_norm(x, layer.o(attn.view(-1, h_q * d)), layer.post_norm)
-            gate_up = layer.gate_up(h)
-            if pointwise is not None:
-                act = pointwise.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
+            act = self._silu_mul(layer.gate_up(h))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             x, h = self._add_norm(x, layer.down(act), following)
 
@@ -699,6 +689,21 @@ class LlamaEngine(SessionTable[_Session]):
         if self.pointwise is not None:
             return self.pointwise.rms_norm(x, weight, self.eps)
         return self._rms_norm(x, weight)
+
+    def _rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``_rotate``; the native kernel rotates qk in place (in the qkv product) and takes
+        cos and sin as [T, D], torch's ops as [T, 1, D]."""
+        if self.pointwise is not None:
+            self.pointwise.rotary(qk, cos, sin)
+            return qk
+        return _rotate(qk, cos, sin)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of a [T, 2 I] gate_up product, [T, I]."""
+        if self.pointwise is not None:
+            return self.pointwise.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None

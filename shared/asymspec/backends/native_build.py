@@ -11,6 +11,7 @@ headers, so a build takes about a second. Where there is no compiler, or the set
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import logging
 import os
@@ -79,11 +80,16 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> list[str]:
+    """The compiler's version line (asked once a process: every engine loads 3 kernels)."""
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[:1]
+
+
 def _library_path(source: Path, cache: Path, compiler: str, libs: tuple[str, ...]) -> Path:
     """The cached build's path: a hash of everything that changes the machine code."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout.splitlines()[:1]
+    version = _compiler_version(compiler)
     key = hashlib.sha256()
     recipe = " ".join(CFLAGS + libs) + " compiled, then linked apart"
     for part in (source.read_bytes(), recipe.encode(), *map(str.encode, version)):
