@@ -1,7 +1,8 @@
-"""The native decode/verify attention kernel: as accurate as torch's flash attention on the
-same bf16 inputs, writes exactly the new keys and values, and the engine's forwards with it
-track the forwards without it. Built here with the machine's compiler; skipped where the
-CPU lacks AVX512-BF16 or there is no compiler (the engine then keeps torch's attention)."""
+"""The native attention kernel, its decode/verify path and its prefill path: as accurate as
+torch's flash attention on the same bf16 inputs, writes exactly the new keys and values, and
+the engine's forwards with it track the forwards without it. Built here with the machine's
+compiler; skipped where the CPU lacks AVX512-BF16 or there is no compiler (the engine then
+keeps torch's attention)."""
 
 from __future__ import annotations
 
@@ -97,11 +98,97 @@ def test_the_kernel_is_as_accurate_as_torch_flash_attention(
     assert worst_native <= 1.25 * worst_torch + 1e-3, (worst_native, worst_torch)
 
 
-def test_engine_forwards_with_the_kernel_track_float32_as_torch_attention_does() -> None:
-    """Decode rows, verify blocks and a prefill chunk too long for the kernel (torch's) in
-    one forward, then rollbacks and more rounds. Against the float32 engine, the bf16
-    engine with the kernel errs no more than the bf16 engine without it (both drift
-    alike: bf16 products, then keys that differ by a rounding)."""
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_prefill_path_is_as_accurate_as_torch_flash_attention(
+    native: NativeAttention, head_dim: int
+) -> None:
+    """Prefill chunks of ragged sizes after ragged prefixes (64-key blocks and 16-position
+    query blocks ending mid-way, a chunk of 17 = one block and one row), queries in strided
+    rows: the new keys and values land exactly, and against float64 the output errs no
+    more than torch's bf16 SDPA on the same sessions; the same bits on 1 and 2 threads."""
+    if not native.prefills:
+        pytest.skip("the prefill path needs AMX")
+    generator = torch.Generator().manual_seed(head_dim)
+    bases = [0, 1, 63, 64, 65, 300, 0]
+    counts = [100, 17, 40, 64, 33, 256, 20]
+    row0 = [sum(counts[:b]) for b in range(len(counts))]
+    slots = [
+        _bf16(generator, LAYERS, 2, KV_HEADS, b + n + 5, head_dim)
+        for b, n in zip(bases, counts, strict=True)
+    ]
+    before = [slot.clone() for slot in slots]
+    qkv = _bf16(generator, sum(counts), HEADS + 2 * KV_HEADS, head_dim, std=2.0)
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)  # strided rows
+    out = torch.full((sum(counts), HEADS, head_dim), float("nan"), dtype=torch.bfloat16)
+    layer, scale = 2, head_dim**-0.5
+    plan = native.plan(row0, counts, bases, slots)
+    native.prefill(plan, layer, q, k, v, out, scale)
+
+    worst_native = worst_torch = 0.0
+    for b, (base, n_new) in enumerate(zip(bases, counts, strict=True)):
+        rows_b = slice(row0[b], row0[b] + n_new)
+        total = base + n_new
+        expected = before[b].clone()
+        expected[layer, 0, :, base:total] = k[rows_b].transpose(0, 1)
+        expected[layer, 1, :, base:total] = v[rows_b].transpose(0, 1)
+        assert torch.equal(slots[b], expected)
+        group = HEADS // KV_HEADS
+        keys = slots[b][layer, 0, :, :total].repeat_interleave(group, 0)
+        values = slots[b][layer, 1, :, :total].repeat_interleave(group, 0)
+        queries = q[rows_b].transpose(0, 1)  # [H, n, D]
+        mask = torch.ones(n_new, total, dtype=torch.bool).tril(base)
+        exact = F.scaled_dot_product_attention(
+            queries.double(), keys.double(), values.double(), attn_mask=mask, scale=scale
+        )
+        by_torch = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale
+        )
+        got = out[rows_b].transpose(0, 1)
+        assert not got.isnan().any()
+        worst_native = max(worst_native, float((got.double() - exact).abs().max()))
+        worst_torch = max(worst_torch, float((by_torch.double() - exact).abs().max()))
+    assert worst_native <= 1.5 * worst_torch + 1e-3, (worst_native, worst_torch)
+
+    threads = torch.get_num_threads()
+    outputs = []
+    for n_threads in (1, 2):
+        torch.set_num_threads(n_threads)
+        try:
+            again = torch.empty_like(out)
+            native.prefill(native.plan(row0, counts, bases, slots), layer, q, k, v, again, scale)
+        finally:
+            torch.set_num_threads(threads)
+        outputs.append(again)
+    assert torch.equal(outputs[0], out) and torch.equal(outputs[1], out)
+
+
+def test_the_prefill_path_needs_amx(native: NativeAttention) -> None:
+    native.allow_amx(False)
+    try:
+        assert not native.prefills
+        slot = torch.zeros(1, 2, 1, 64, 32, dtype=torch.bfloat16)
+        rows = torch.zeros(20, 3, 32, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="AMX"):
+            native.prefill(
+                native.plan([0], [20], [0], [slot]),
+                0,
+                rows[:, :1],
+                rows[:, 1:2],
+                rows[:, 2:],
+                torch.empty(20, 1, 32, dtype=torch.bfloat16),
+                1.0,
+            )
+    finally:
+        native.allow_amx(True)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_engine_forwards_with_the_kernel_track_float32_as_torch_attention_does(amx: bool) -> None:
+    """Decode rows, verify blocks and a prefill chunk (the kernel's prefill path on AMX,
+    torch's flash attention without) in one forward, then rollbacks and more rounds.
+    Against the float32 engine, the bf16 engine with the kernel errs no more than the bf16
+    engine without it (both drift alike: bf16 products, then keys that differ by a
+    rounding)."""
     exact = build_tiny_llama(seed=5, hidden_size=128)  # head size 32
     model = build_tiny_llama(seed=5, hidden_size=128).to(torch.bfloat16)
     engines = {
@@ -109,8 +196,20 @@ def test_engine_forwards_with_the_kernel_track_float32_as_torch_attention_does()
         "torch": LlamaEngine(model, native_attention=False),
         "float32": LlamaEngine(exact),
     }
-    assert engines["native"].native_attention is not None
+    kernel = engines["native"].native_attention
+    assert kernel is not None
     assert engines["torch"].native_attention is None
+    if amx and not kernel.uses_amx:
+        pytest.skip("no AMX here")
+    kernel.allow_amx(amx)
+    try:
+        assert kernel.prefills == amx
+        _forward_rounds(engines)
+    finally:
+        kernel.allow_amx(True)
+
+
+def _forward_rounds(engines: dict[str, LlamaEngine]) -> None:
     generator = torch.Generator().manual_seed(0)
     lengths = (1, 40, 300, 77)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]

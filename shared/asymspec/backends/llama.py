@@ -514,12 +514,13 @@ class LlamaEngine(SessionTable[_Session]):
             for session, n_new in zip(sessions, counts, strict=True)
         ]
         row0 = [end - n for end, n in zip(itertools.accumulate(counts), counts, strict=True)]
-        # Sessions with few new tokens (decode, verify) go to the native kernel, one call
-        # per layer for all of them; the rest (prefill chunks) to torch's flash attention.
+        # Sessions with few new tokens (decode, verify) go to the native kernel's decode path,
+        # one call per layer for all of them; the rest (prefill chunks) to its prefill path
+        # where it has one (AMX), else to torch's flash attention.
         native = self.native_attention
         small = [] if native is None else [b for b, n in enumerate(counts) if n <= MAX_NEW_TOKENS]
         large = [b for b in range(len(batch)) if b not in small]
-        plan = None
+        plan = prefill_plan = None
         if native is not None and small:
             plan = native.plan(
                 [row0[b] for b in small],
@@ -527,6 +528,14 @@ class LlamaEngine(SessionTable[_Session]):
                 [sessions[b].length for b in small],
                 [slots[b] for b in small],
             )
+        if native is not None and native.prefills and large:
+            prefill_plan = native.plan(
+                [row0[b] for b in large],
+                [counts[b] for b in large],
+                [sessions[b].length for b in large],
+                [slots[b] for b in large],
+            )
+            large = []
         # Per session, views into its slot made once per forward, not once per layer (on a
         # CPU each view costs about a microsecond of Python, and a forward has B x layers).
         writes, keys, values, masks = {}, {}, {}, {}
@@ -552,12 +561,14 @@ class LlamaEngine(SessionTable[_Session]):
             qkv = layer.qkv(h)  # [T, (H + 2 H_kv) D]
             qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
             qk = self._rotary(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
-            if plan is not None:
+            if plan is not None or prefill_plan is not None:
                 assert native is not None
                 attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
-                native.attend(
-                    plan, i, qk[:, :h_q], qk[:, h_q:], v.view(-1, h_kv, d), attn, attn_scale
-                )
+                q_rows, k_rows, v_rows = qk[:, :h_q], qk[:, h_q:], v.view(-1, h_kv, d)
+                if plan is not None:
+                    native.attend(plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
+                if prefill_plan is not None:
+                    native.prefill(prefill_plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
                 for b in large:  # their rows of attn, by torch
                     start, stop = row0[b], row0[b] + counts[b]
                     attn[start:stop] = self._torch_attention(

@@ -429,3 +429,379 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
     }
     return failed ? -2 : 0;
 }
+
+/* ------------------------------------------------------------------------------ prefill
+ * Prefill chunks: sessions with many new queries. Work items are (session, query head,
+ * 16 consecutive new positions), the latest positions first (they see the most keys), so
+ * a chunk of 256 tokens gives 16 x H items where the decode path above would give H_kv.
+ * Each session's keys and values are first laid out once per call in AMX's B layout (keys
+ * transposed into pairs of dimensions per 16-key block, values interleaved in pairs of
+ * keys per 32-key block), read by every query block of their KV head's group. An item
+ * then takes all its scores (16 x visible keys, float32, in L2), a float32 softmax whose
+ * weights are rounded to bf16 (as torch's flash kernel rounds them for its bf16 value
+ * product), and the value products over every visible key at once, so no accumulator is
+ * ever rescaled; the float32 sums are divided by the softmax sums and rounded to bf16. */
+#if HAVE_AMX
+/* e^x (x <= 0 here) in 16 lanes: 2^n e^r, n = round(x log2 e), r = x - n ln 2 (ln 2 in two
+ * parts, |r| <= ln 2 / 2), e^r by its Taylor polynomial to r^5: relative error < 3.5e-6
+ * (~19 bits, as torch's exp_u20 that its flash kernel uses), far inside the 2^-9 of the
+ * bf16 weights it feeds. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 120);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Keys [L, D] -> kt: per 16-key block and 32-dimension chunk a 16 x 32 tile whose row p
+ * holds the block's keys' dimensions 2p, 2p + 1 (chunk-relative); keys past L are zero. */
+static void lay_out_keys(const uint16_t* K, int64_t L, int D, int64_t block16, uint16_t* kt) {
+    const int chunks = D / 32;
+    for (int c = 0; c < chunks; c++) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++) {
+            const int64_t key = block16 * 16 + t;
+            r[t] = key < L ? _mm512_loadu_si512(K + key * D + 32 * c) : _mm512_setzero_si512();
+        }
+        transpose_16x16(r);
+        uint16_t* tile = kt + (block16 * chunks + c) * 512;
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(tile + 32 * p, r[p]);
+    }
+}
+
+/* Values [L, D] -> vp: per 32-key block and 16 dimensions a 16 x 32 tile whose row k
+ * interleaves keys 2k and 2k + 1 dimension by dimension; keys past L are zero. */
+static void lay_out_values(const uint16_t* V, int64_t L, int D, int64_t block32, uint16_t* vp) {
+    static const uint16_t zero_row[32 * MAX_CHUNKS];
+    __m512i low_index, high_index;
+    {
+        uint16_t lo[32], hi[32];
+        for (int d = 0; d < 16; d++) {
+            lo[2 * d] = (uint16_t)d;
+            lo[2 * d + 1] = (uint16_t)(32 + d);
+            hi[2 * d] = (uint16_t)(16 + d);
+            hi[2 * d + 1] = (uint16_t)(48 + d);
+        }
+        low_index = _mm512_loadu_si512(lo);
+        high_index = _mm512_loadu_si512(hi);
+    }
+    const int lanes = D / 16;
+    for (int k = 0; k < 16; k++) {
+        const int64_t t = block32 * 32 + 2 * k;
+        const uint16_t* r0 = t < L ? V + t * D : zero_row;
+        const uint16_t* r1 = t + 1 < L ? V + (t + 1) * D : zero_row;
+        for (int f = 0; f < lanes; f += 2) {
+            const __m512i a = _mm512_loadu_si512(r0 + 16 * f);
+            const __m512i b = _mm512_loadu_si512(r1 + 16 * f);
+            _mm512_storeu_si512(vp + ((block32 * lanes + f) * 16 + k) * 32,
+                                _mm512_permutex2var_epi16(a, low_index, b));
+            _mm512_storeu_si512(vp + ((block32 * lanes + f + 1) * 16 + k) * 32,
+                                _mm512_permutex2var_epi16(a, high_index, b));
+        }
+    }
+}
+
+/* One item: 16 query rows (rows of them real) at positions first .. first + 15, seeing
+ * keys 0 .. first + i. qs: their rows, q_step elements apart. S: 16 x stride floats; P: 16
+ * x stride bf16, stride >= the visible keys rounded up to 64. out_row(i) = out + i * o_step. */
+static inline __attribute__((always_inline)) void prefill_block(
+    const uint16_t* qs, int64_t q_step, int rows, int64_t first, const int D,
+    const uint16_t* kt, const uint16_t* vp, float scale, float* S, uint16_t* P, uint16_t* out,
+    int64_t o_step) {
+    const int chunks = D / 32, lanes = D / 16;
+    const int64_t seen_max = first + rows, blocks = (seen_max + 63) / 64, stride = blocks * 64;
+    const int64_t sub = (int64_t)chunks * 512; /* one 16-key block of kt */
+    /* Scores, 64 keys a step. Up to 64 dimensions: tiles 1-2 the queries' chunks, 0, 3, 4
+     * and 7 the four 16-key blocks' sums (four independent chains), 5 and 6 keys. Up to
+     * 128: tiles 1-4 the chunks, two 16-key blocks at a time in 0 and 7. */
+    _tile_loadd(1, qs, q_step * 2);
+    if (chunks > 1) _tile_loadd(2, qs + 32, q_step * 2);
+    if (chunks > 2) _tile_loadd(3, qs + 64, q_step * 2);
+    if (chunks > 3) _tile_loadd(4, qs + 96, q_step * 2);
+    __m512 top[16];
+    for (int i = 0; i < 16; i++) top[i] = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t* k = kt + 4 * b * sub;
+        float* s = S + 64 * b;
+        if (chunks <= 2) {
+            _tile_zero(0);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(7);
+            _tile_loadd(5, k, 64);
+            _tile_dpbf16ps(0, 1, 5);
+            _tile_loadd(6, k + sub, 64);
+            _tile_dpbf16ps(3, 1, 6);
+            _tile_loadd(5, k + 2 * sub, 64);
+            _tile_dpbf16ps(4, 1, 5);
+            _tile_loadd(6, k + 3 * sub, 64);
+            _tile_dpbf16ps(7, 1, 6);
+            if (chunks > 1) {
+                _tile_loadd(5, k + 512, 64);
+                _tile_dpbf16ps(0, 2, 5);
+                _tile_loadd(6, k + sub + 512, 64);
+                _tile_dpbf16ps(3, 2, 6);
+                _tile_loadd(5, k + 2 * sub + 512, 64);
+                _tile_dpbf16ps(4, 2, 5);
+                _tile_loadd(6, k + 3 * sub + 512, 64);
+                _tile_dpbf16ps(7, 2, 6);
+            }
+            _tile_stored(0, s, stride * 4);
+            _tile_stored(3, s + 16, stride * 4);
+            _tile_stored(4, s + 32, stride * 4);
+            _tile_stored(7, s + 48, stride * 4);
+        } else {
+            for (int half = 0; half < 2; half++) {
+                const uint16_t* k0 = k + 2 * half * sub;
+                const uint16_t* k1 = k0 + sub;
+                _tile_zero(0);
+                _tile_zero(7);
+                _tile_loadd(5, k0, 64);
+                _tile_loadd(6, k1, 64);
+                _tile_dpbf16ps(0, 1, 5);
+                _tile_dpbf16ps(7, 1, 6);
+                _tile_loadd(5, k0 + 512, 64);
+                _tile_loadd(6, k1 + 512, 64);
+                _tile_dpbf16ps(0, 2, 5);
+                _tile_dpbf16ps(7, 2, 6);
+                _tile_loadd(5, k0 + 1024, 64);
+                _tile_loadd(6, k1 + 1024, 64);
+                _tile_dpbf16ps(0, 3, 5);
+                _tile_dpbf16ps(7, 3, 6);
+                if (chunks > 3) {
+                    _tile_loadd(5, k0 + 1536, 64);
+                    _tile_loadd(6, k1 + 1536, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(7, 4, 6);
+                }
+                _tile_stored(0, s + 32 * half, stride * 4);
+                _tile_stored(7, s + 32 * half + 16, stride * 4);
+            }
+        }
+        /* each row's running maximum over its visible keys, while the block is in L1 */
+        const int64_t key0 = 64 * b;
+        for (int i = 0; i < 16; i++) {
+            const int64_t seen = first + i + 1 - key0; /* of this block's 64 */
+            const float* r = s + i * stride;
+            if (seen >= 64) {
+                top[i] = _mm512_max_ps(top[i], _mm512_max_ps(
+                    _mm512_max_ps(_mm512_loadu_ps(r), _mm512_loadu_ps(r + 16)),
+                    _mm512_max_ps(_mm512_loadu_ps(r + 32), _mm512_loadu_ps(r + 48))));
+            } else {
+                for (int64_t t = 0; t < seen; t += 16) {
+                    const __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
+                    top[i] = _mm512_mask_max_ps(top[i], m, top[i], _mm512_loadu_ps(r + t));
+                }
+            }
+        }
+    }
+    /* softmax, row by row over its visible keys; weights past them (and rows past `rows`)
+     * are zero, so the value products can run over whole blocks */
+    float inv_sum[16];
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int i = 0; i < 16; i++) {
+        uint16_t* p = P + i * stride;
+        if (i >= rows) {
+            memset(p, 0, (size_t)stride * 2);
+            continue;
+        }
+        const float* s = S + i * stride;
+        const int64_t seen = first + i + 1, whole = seen / 16 * 16;
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top[i]) * scale);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t < whole; t += 16) {
+            const __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scale_v, shift));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i*)(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        if (t < seen) {
+            const __mmask16 m = (__mmask16)((1u << (seen - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(
+                m, exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), scale_v, shift)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i*)(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+            t += 16;
+        }
+        for (; t < stride; t += 16) _mm256_storeu_si256((__m256i*)(p + t), _mm256_setzero_si256());
+        inv_sum[i] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    /* values: tiles 0-3 64 output dimensions, 4 the weights, 5 and 6 values */
+    float o[16 * 64];
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int tiles = D - d0 < 64 ? (D - d0) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < stride / 32; b++) {
+            const uint16_t* block = vp + (b * lanes + d0 / 16) * 512;
+            _tile_loadd(4, P + 32 * b, stride * 2);
+            _tile_loadd(5, block, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (tiles > 1) {
+                _tile_loadd(6, block + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (tiles > 2) {
+                _tile_loadd(5, block + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (tiles > 3) {
+                _tile_loadd(6, block + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, o, 256);
+        _tile_stored(1, o + 16, 256);
+        _tile_stored(2, o + 32, 256);
+        _tile_stored(3, o + 48, 256);
+        for (int i = 0; i < rows; i++) {
+            const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+            for (int f = 0; f < tiles; f++)
+                _mm256_storeu_si256(
+                    (__m256i*)(out + i * o_step + d0 + 16 * f),
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + i * 64 + 16 * f), inv)));
+        }
+    }
+}
+
+static void prefill_block_any(const uint16_t* qs, int64_t q_step, int rows, int64_t first, int D,
+                              const uint16_t* kt, const uint16_t* vp, float scale, float* S,
+                              uint16_t* P, uint16_t* out, int64_t o_step) {
+    if (D == 64)
+        prefill_block(qs, q_step, rows, first, 64, kt, vp, scale, S, P, out, o_step);
+    else
+        prefill_block(qs, q_step, rows, first, D, kt, vp, scale, S, P, out, o_step);
+}
+#endif
+
+int asymspec_prefill_uses_amx(void) { return asymspec_attention_uses_amx(); }
+
+/* The arguments of asymspec_attend_bf16, for sessions with many new tokens each. 0 on
+ * success; -1 for shapes this kernel does not take (or no AMX); -2 when memory ran out. */
+int asymspec_prefill_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
+                          const int64_t* base, const int64_t* slots, const int64_t* cap,
+                          int layer, const uint16_t* q, int64_t q_stride,
+                          const uint16_t* k_new, int64_t k_stride, const uint16_t* v_new,
+                          int64_t v_stride, uint16_t* out, int H, int H_kv, int D, float scale,
+                          int n_threads) {
+#if HAVE_AMX
+    if (D % 32 != 0 || D > 128 || H % H_kv != 0 || !asymspec_attention_uses_amx()) return -1;
+    const int g = H / H_kv;
+    /* the new keys and values into the slots */
+    for (int b = 0; b < n_sessions; b++) {
+        uint16_t* slot = (uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
+        for (int64_t j = 0; j < n[b]; j++) {
+            const int64_t r = row0[b] + j, pos = base[b] + j;
+            for (int h = 0; h < H_kv; h++) {
+                memcpy(slot + ((int64_t)h * cap[b] + pos) * D, k_new + r * k_stride + (int64_t)h * D,
+                       (size_t)D * 2);
+                memcpy(slot + ((int64_t)(H_kv + h) * cap[b] + pos) * D,
+                       v_new + r * v_stride + (int64_t)h * D, (size_t)D * 2);
+            }
+        }
+    }
+    /* per (session, KV head): its keys and values in the tiles' layouts, each
+     * ceil(L / 64) x 64 x D bf16; items_before[b]: query-block items of earlier sessions */
+    int64_t* layout_at = malloc(sizeof(int64_t) * (size_t)(n_sessions + 1));
+    int64_t* blocks_before = malloc(sizeof(int64_t) * (size_t)(n_sessions + 1));
+    int64_t* items_before = malloc(sizeof(int64_t) * (size_t)(n_sessions + 1));
+    if (layout_at == NULL || blocks_before == NULL || items_before == NULL) {
+        free(layout_at);
+        free(blocks_before);
+        free(items_before);
+        return -2;
+    }
+    int64_t longest = 0;
+    layout_at[0] = blocks_before[0] = items_before[0] = 0;
+    for (int b = 0; b < n_sessions; b++) {
+        const int64_t L = base[b] + n[b], blocks = (L + 63) / 64;
+        longest = L > longest ? L : longest;
+        layout_at[b + 1] = layout_at[b] + (int64_t)H_kv * blocks * 64 * D;
+        blocks_before[b + 1] = blocks_before[b] + (int64_t)H_kv * blocks;
+        items_before[b + 1] = items_before[b] + (int64_t)H * ((n[b] + 15) / 16);
+    }
+    uint16_t* kt_all = malloc(2 * sizeof(uint16_t) * (size_t)layout_at[n_sessions]);
+    if (kt_all == NULL) {
+        free(layout_at);
+        free(blocks_before);
+        free(items_before);
+        return -2;
+    }
+    uint16_t* vp_all = kt_all + layout_at[n_sessions];
+    const int64_t stride_max = (longest + 63) / 64 * 64;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < blocks_before[n_sessions]; it++) {
+            int b = 0;
+            while (blocks_before[b + 1] <= it) b++;
+            const int64_t L = base[b] + n[b], blocks = (L + 63) / 64;
+            const int h = (int)((it - blocks_before[b]) / blocks);
+            const int64_t block = (it - blocks_before[b]) % blocks;
+            const uint16_t* slot = (const uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
+            const int64_t at = layout_at[b] + (int64_t)h * blocks * 64 * D;
+            for (int j = 0; j < 4; j++)
+                lay_out_keys(slot + (int64_t)h * cap[b] * D, L, D, 4 * block + j, kt_all + at);
+            for (int j = 0; j < 2; j++)
+                lay_out_values(slot + (int64_t)(H_kv + h) * cap[b] * D, L, D, 2 * block + j,
+                               vp_all + at);
+        }
+        float* S = malloc(sizeof(float) * 16 * (size_t)stride_max);
+        uint16_t* P = malloc(sizeof(uint16_t) * 16 * (size_t)stride_max);
+        uint16_t* Q = calloc(16 * (size_t)D, sizeof(uint16_t));
+        if (S == NULL || P == NULL || Q == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* every thread reaches the loop (its implicit barrier), and skips its items when
+         * it has no buffers */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items_before[n_sessions]; it++) {
+            if (S == NULL || P == NULL || Q == NULL) continue;
+            int b = 0;
+            while (items_before[b + 1] <= it) b++;
+            const int64_t blocks = (n[b] + 15) / 16, local = it - items_before[b];
+            const int64_t qb = blocks - 1 - local / H; /* latest positions first */
+            const int hd = (int)(local % H), h = hd / g;
+            const int64_t j0 = qb * 16;
+            const int rows = n[b] - j0 < 16 ? (int)(n[b] - j0) : 16;
+            const uint16_t* qs = q + (row0[b] + j0) * q_stride + (int64_t)hd * D;
+            int64_t q_step = q_stride;
+            if (rows < 16) { /* the tile load reads 16 rows */
+                memset(Q, 0, 16 * (size_t)D * 2);
+                for (int i = 0; i < rows; i++) memcpy(Q + i * D, qs + i * q_stride, (size_t)D * 2);
+                qs = Q;
+                q_step = D;
+            }
+            const int64_t L = base[b] + n[b];
+            const int64_t at = layout_at[b] + (int64_t)h * ((L + 63) / 64) * 64 * D;
+            prefill_block_any(qs, q_step, rows, base[b] + j0, D, kt_all + at, vp_all + at, scale,
+                              S, P, out + ((row0[b] + j0) * H + hd) * D, (int64_t)H * D);
+        }
+        _tile_release();
+        free(S);
+        free(P);
+        free(Q);
+    }
+    free(kt_all);
+    free(layout_at);
+    free(blocks_before);
+    free(items_before);
+    return failed ? -2 : 0;
+#else
+    (void)n_sessions, (void)row0, (void)n, (void)base, (void)slots, (void)cap, (void)layer;
+    (void)q, (void)q_stride, (void)k_new, (void)k_stride, (void)v_new, (void)v_stride;
+    (void)out, (void)H, (void)H_kv, (void)D, (void)scale, (void)n_threads;
+    return -1;
+#endif
+}

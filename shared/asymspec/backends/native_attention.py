@@ -10,8 +10,10 @@ ATen's dispatch and its flash kernel's set-up, and parallelises only over 3 KV h
 ``native_attention.c`` does the same arithmetic (bf16 products accumulated in float32, a
 float32 softmax, bf16 output) for every (session, KV head) of the forward in one OpenMP
 loop on torch's own thread pool, and writes the new keys and values into the slots as it
-goes. Sessions with many new tokens (prefill chunks) still go to torch's flash kernel,
-whose blocked products win there.
+goes. Sessions with many new tokens (prefill chunks) go, on AMX, to the same library's
+prefill path, which blocks 16 positions of one query head per work item instead (torch's
+CPU flash kernel took 40 % of a 2,000-token prefill here, ~385 GFLOP/s); without AMX they
+stay with torch's flash kernel, whose blocked products win there over dot products.
 
 The scores (queries against keys) run on AMX tiles where the CPU has them, else as
 AVX512-BF16 dot products on keys transposed 16 at a time. The value sums are float32 FMAs
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +43,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_attention.c")
 LIBS = ("-lmvec", "-lm")  # glibc's vector math: the softmax's expf, 16 lanes at a time
-# Above this many new tokens per session (prefill chunks) torch's flash kernel is faster:
-# its blocked products beat this kernel's per-query dot products.
+# Above this many new tokens per session (prefill chunks) the decode path's per-(session, KV
+# head) items parallelise badly and its per-query dot products lose to blocked products:
+# such sessions go to the prefill path (AMX) or to torch's flash kernel.
 MAX_NEW_TOKENS = 16
 
 
@@ -87,6 +90,9 @@ class NativeAttention:
         attend.argtypes += [_INT]
         attend.restype = _INT
         self._attend = attend
+        prefill = self._lib.asymspec_prefill_bf16
+        prefill.argtypes, prefill.restype = attend.argtypes, _INT
+        self._prefill = prefill
         self._lib.asymspec_attention_uses_amx.restype = _INT
         self._lib.asymspec_attention_allow_amx.argtypes = [_INT]
         log.info("native attention: scores on %s", "AMX tiles" if self.uses_amx else "AVX512-BF16")
@@ -96,6 +102,12 @@ class NativeAttention:
         """Whether the scores go through AMX tiles (compiled for them and allowed by the
         kernel); otherwise AVX512-BF16 dot products."""
         return bool(self._lib.asymspec_attention_uses_amx())
+
+    @property
+    def prefills(self) -> bool:
+        """Whether ``prefill`` runs here (it needs AMX tiles); else prefill chunks stay with
+        torch's flash kernel."""
+        return self.uses_amx
 
     def allow_amx(self, allow: bool) -> None:
         """Tests: the AVX512-BF16 path on a machine that has AMX (False), or back."""
@@ -149,13 +161,42 @@ class NativeAttention:
         ``q`` [T, H, D], ``k_new`` and ``v_new`` [T, H_kv, D]: bf16, each row's heads
         contiguous (rows may be strided); ``out`` [T, H, D] contiguous bf16.
         """
+        self._call(self._attend, plan, layer, q, k_new, v_new, out, scale)
+
+    def prefill(
+        self,
+        plan: SessionPlan,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """``attend`` for sessions with many new tokens (prefill chunks); needs
+        ``prefills``. Any head size that is a multiple of 32 up to 128."""
+        if not self.prefills:
+            raise RuntimeError("the native prefill attention needs AMX tiles")
+        self._call(self._prefill, plan, layer, q, k_new, v_new, out, scale)
+
+    def _call(
+        self,
+        entry: Callable[..., int],
+        plan: SessionPlan,
+        layer: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
         heads, kv_heads, head_dim = q.shape[1], k_new.shape[1], q.shape[2]
         for t in (q, k_new, v_new, out):
             if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != head_dim:
                 raise ValueError("q, k_new, v_new and out must be bf16 with contiguous heads")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-        rc = self._attend(
+        rc = entry(
             plan.count,
             plan.row0.ctypes.data,
             plan.n_new.ctypes.data,
