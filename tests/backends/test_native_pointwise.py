@@ -91,6 +91,30 @@ def test_silu_times_up_is_within_one_rounding_of_torch(kernel: NativePointwise) 
     assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-6).all())
 
 
+def test_rows_split_over_threads_give_the_same_bits(kernel: NativePointwise) -> None:
+    """Calls this large split their rows over torch's threads; 1, 2 and 3 threads (one
+    more than rows divide evenly into) give the same bits."""
+    generator = torch.Generator().manual_seed(9)
+    x, delta = _bf16(generator, 80, 576, std=3.0), _bf16(generator, 80, 576)
+    weight = (1 + _bf16(generator, 576, std=0.2)).to(torch.bfloat16)
+    gate_up = _bf16(generator, 80, 2 * 1536, std=3.0)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            residual = x.clone()
+            normed = kernel.add_rms_norm(residual, delta, weight, EPS)
+            outputs.append(
+                (kernel.rms_norm(x, weight, EPS), residual, normed, kernel.silu_mul(gate_up))
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for other in outputs[1:]:
+        for a, b in zip(outputs[0], other, strict=True):
+            assert b is not None and torch.equal(a, b)
+
+
 def test_the_engine_tracks_float32_as_closely_with_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,10 +9,33 @@
  * ones transformers' Llama computes in bf16 up to float32 evaluation order: the norm's
  * variance and scale in float32 then rounded, the weight product rounded; the rotary's
  * two products and their sum each rounded; SiLU in float32 rounded, then the product.
+ *
+ * The norms and SiLU split a call with at least PARALLEL_ELEMENTS elements by rows over
+ * n_threads OpenMP threads (torch's pool: the library is loaded after torch); a smaller
+ * call runs on the calling thread, where the fork would cost more than the second thread
+ * saves. Every row is computed the same way either way. The rotary runs on the calling
+ * thread: at 80 rows two threads did not beat one (loadtest/results/native-prefill/).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#define PARALLEL_ELEMENTS 16384
+
+/* Runs body(first, last) over rows 0 .. rows - 1: in contiguous ranges on n_threads threads
+ * where the call is large enough, else in one range here. */
+#define SPLIT_ROWS(rows, elements, n_threads, body)                                          \
+    do {                                                                                     \
+        if ((elements) >= PARALLEL_ELEMENTS && (n_threads) > 1) {                            \
+            _Pragma("omp parallel num_threads(n_threads)") {                                 \
+                const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();       \
+                body((rows) * me / team, (rows) * (me + 1) / team);                          \
+            }                                                                                \
+        } else {                                                                             \
+            body(0, (rows));                                                                 \
+        }                                                                                    \
+    } while (0)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -69,19 +92,29 @@ static void norm_row(const uint16_t* x, int64_t H, const uint16_t* w, float eps,
 
 /* out = weight * RMSNorm(x), rows x H. */
 void asymspec_rms_norm(const uint16_t* x, int64_t rows, int64_t H, const uint16_t* w, float eps,
-                       uint16_t* out) {
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * H, H, w, eps, out + r * H);
+                       uint16_t* out, int n_threads) {
+#define NORM_ROWS(first, last) \
+    for (int64_t r = (first); r < (last); r++) norm_row(x + r * H, H, w, eps, out + r * H)
+    SPLIT_ROWS(rows, rows * H, n_threads, NORM_ROWS);
+#undef NORM_ROWS
 }
 
 /* x += delta (the residual), then out = weight * RMSNorm(x); w NULL: the add alone. */
-void asymspec_add_rms_norm(uint16_t* x, const uint16_t* delta, int64_t rows, int64_t H,
-                           const uint16_t* w, float eps, uint16_t* out) {
-    for (int64_t r = 0; r < rows; r++) {
+static void add_norm_rows(uint16_t* x, const uint16_t* delta, int64_t first, int64_t last,
+                          int64_t H, const uint16_t* w, float eps, uint16_t* out) {
+    for (int64_t r = first; r < last; r++) {
         uint16_t* xr = x + r * H;
         const uint16_t* dr = delta + r * H;
         for (int64_t i = 0; i < H; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(dr[i]));
         if (w) norm_row(xr, H, w, eps, out + r * H);
     }
+}
+
+void asymspec_add_rms_norm(uint16_t* x, const uint16_t* delta, int64_t rows, int64_t H,
+                           const uint16_t* w, float eps, uint16_t* out, int n_threads) {
+#define ADD_NORM_ROWS(first, last) add_norm_rows(x, delta, (first), (last), H, w, eps, out)
+    SPLIT_ROWS(rows, rows * H, n_threads, ADD_NORM_ROWS);
+#undef ADD_NORM_ROWS
 }
 
 /* In place over `heads` heads of size D in each of `rows` rows (row stride `stride`
@@ -134,8 +167,9 @@ void asymspec_rotary(uint16_t* qk, int64_t rows, int64_t stride, int64_t heads, 
 }
 
 /* out[r, i] = SiLU(gate[r, i]) * up[r, i], where each row of gate_up is [gate (I) | up (I)]. */
-void asymspec_silu_mul(const uint16_t* gate_up, int64_t rows, int64_t I, uint16_t* out) {
-    for (int64_t r = 0; r < rows; r++) {
+static void silu_mul_rows(const uint16_t* gate_up, int64_t first, int64_t last, int64_t I,
+                          uint16_t* out) {
+    for (int64_t r = first; r < last; r++) {
         const uint16_t* g = gate_up + r * 2 * I;
         const uint16_t* u = g + I;
         uint16_t* o = out + r * I;
@@ -145,4 +179,11 @@ void asymspec_silu_mul(const uint16_t* gate_up, int64_t rows, int64_t I, uint16_
             o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
         }
     }
+}
+
+void asymspec_silu_mul(const uint16_t* gate_up, int64_t rows, int64_t I, uint16_t* out,
+                       int n_threads) {
+#define SILU_ROWS(first, last) silu_mul_rows(gate_up, (first), (last), I, out)
+    SPLIT_ROWS(rows, rows * I, n_threads, SILU_ROWS);
+#undef SILU_ROWS
 }

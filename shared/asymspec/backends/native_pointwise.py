@@ -38,15 +38,16 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class NativePointwise:
-    """The loaded kernel. Stateless; calls run on the calling thread."""
+    """The loaded kernel. Stateless; a norm or SiLU call with enough rows splits them over
+    torch's threads (``torch.get_num_threads()``), the rest run on the calling thread."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.asymspec_rms_norm.argtypes = [p, i64, i64, p, f32, p]
-        lib.asymspec_add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p]
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.asymspec_rms_norm.argtypes = [p, i64, i64, p, f32, p, i32]
+        lib.asymspec_add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]
         lib.asymspec_rotary.argtypes = [p, i64, i64, i64, i64, p, p]
-        lib.asymspec_silu_mul.argtypes = [p, i64, i64, p]
+        lib.asymspec_silu_mul.argtypes = [p, i64, i64, p, i32]
         for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
             getattr(lib, f"asymspec_{name}").restype = None
         self._lib = lib
@@ -73,7 +74,9 @@ class NativePointwise:
         self._check(x, weight)
         out = torch.empty_like(x)
         rows, width = x.shape
-        self._lib.asymspec_rms_norm(_ptr(x), rows, width, _ptr(weight), eps, _ptr(out))
+        self._lib.asymspec_rms_norm(
+            _ptr(x), rows, width, _ptr(weight), eps, _ptr(out), torch.get_num_threads()
+        )
         return out
 
     def add_rms_norm(
@@ -94,6 +97,7 @@ class NativePointwise:
             None if weight is None else _ptr(weight),
             eps,
             None if out is None else _ptr(out),
+            torch.get_num_threads(),
         )
         return out
 
@@ -113,5 +117,7 @@ class NativePointwise:
         self._check(gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty((rows, width // 2))
-        self._lib.asymspec_silu_mul(_ptr(gate_up), rows, width // 2, _ptr(out))
+        self._lib.asymspec_silu_mul(
+            _ptr(gate_up), rows, width // 2, _ptr(out), torch.get_num_threads()
+        )
         return out
