@@ -106,7 +106,7 @@ def test_the_prefill_path_is_as_accurate_as_torch_flash_attention(
     query blocks ending mid-way, a chunk of 17 = one block and one row), queries in strided
     rows: the new keys and values land exactly, and against float64 the output errs no
     more than torch's bf16 SDPA on the same sessions; the same bits on 1 and 2 threads."""
-    if not native.prefills:
+    if not native.prefills(head_dim):
         pytest.skip("the prefill path needs AMX")
     generator = torch.Generator().manual_seed(head_dim)
     bases = [0, 1, 63, 64, 65, 300, 0]
@@ -162,10 +162,11 @@ def test_the_prefill_path_is_as_accurate_as_torch_flash_attention(
     assert torch.equal(outputs[0], out) and torch.equal(outputs[1], out)
 
 
-def test_the_prefill_path_needs_amx(native: NativeAttention) -> None:
+def test_the_prefill_path_needs_amx_and_heads_up_to_128(native: NativeAttention) -> None:
+    assert not native.prefills(256)
     native.allow_amx(False)
     try:
-        assert not native.prefills
+        assert not native.prefills(32)
         slot = torch.zeros(1, 2, 1, 64, 32, dtype=torch.bfloat16)
         rows = torch.zeros(20, 3, 32, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="AMX"):
@@ -203,7 +204,7 @@ def test_engine_forwards_with_the_kernel_track_float32_as_torch_attention_does(a
         pytest.skip("no AMX here")
     kernel.allow_amx(amx)
     try:
-        assert kernel.prefills == amx
+        assert kernel.prefills(32) == amx
         _forward_rounds(engines)
     finally:
         kernel.allow_amx(True)

@@ -30,7 +30,14 @@ from transformers import AutoModelForCausalLM
 
 from asymspec.sampling import SamplingParams, transform
 from tests.backends.conftest import full_logits
-from tests.services.processes import Service, cloud_env, edge_env, free_port, running
+from tests.services.processes import (
+    Service,
+    cloud_env,
+    edge_env,
+    free_port,
+    running,
+    running_all,
+)
 from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 SPECULATIVE = (
@@ -74,16 +81,16 @@ def edges(
         stack.enter_context(
             running("cloud_verifier", cloud_port, cloud_env(pair[0], cloud_port), logs)
         )
-        services = {}
+        specs = {}
         for name, (mode, extra) in VARIANTS.items():
             port = free_port()
             env = edge_env(pair[1], port, cloud_port, mode, max_model_len="512", **extra)
-            services[name] = stack.enter_context(running("edge_gateway", port, env, logs))
+            specs[name] = ("edge_gateway", port, env)
         for name, mode in FEATURE_VARIANTS.items():
             port = free_port()
             env = edge_env(feature_draft, port, cloud_port, mode, max_model_len="512")
-            services[name] = stack.enter_context(running("edge_gateway", port, env, logs))
-        yield services
+            specs[name] = ("edge_gateway", port, env)
+        yield stack.enter_context(running_all(specs, logs))
 
 
 def complete(edge: Service, **body: object) -> dict:

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from asymspec.backends.hardware import cpu_has_native_bf16, fp16_weights_supported
 from asymspec.backends.llama import LlamaEngine
 from asymspec.sampling import SamplingParams, transform
-from tests.services.processes import Service, cloud_env, edge_env, free_port, running
+from tests.services.processes import Service, cloud_env, edge_env, free_port, running, running_all
 from tests.services.test_e2e import (
     PROMPT_IDS,
     chi_square_pvalue,
@@ -63,12 +63,12 @@ def edges(
         cloud_port = free_port()
         env = cloud_env(pair[0], cloud_port, dtype=PRECISION)
         stack.enter_context(running("cloud_verifier", cloud_port, env, logs))
-        services = {}
+        specs = {}
         for mode in ("asymspec", "target-only"):
             port = free_port()
             env = edge_env(pair[1], port, cloud_port, mode, dtype=PRECISION, max_model_len="512")
-            services[mode] = stack.enter_context(running("edge_gateway", port, env, logs))
-        yield services
+            specs[mode] = ("edge_gateway", port, env)
+        yield stack.enter_context(running_all(specs, logs))
 
 
 def exact_joint(

@@ -528,7 +528,7 @@ class LlamaEngine(SessionTable[_Session]):
                 [sessions[b].length for b in small],
                 [slots[b] for b in small],
             )
-        if native is not None and native.prefills and large:
+        if native is not None and native.prefills(self.head_dim) and large:
             prefill_plan = native.plan(
                 [row0[b] for b in large],
                 [counts[b] for b in large],

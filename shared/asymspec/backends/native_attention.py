@@ -47,6 +47,7 @@ LIBS = ("-lmvec", "-lm")  # glibc's vector math: the softmax's expf, 16 lanes at
 # head) items parallelise badly and its per-query dot products lose to blocked products:
 # such sessions go to the prefill path (AMX) or to torch's flash kernel.
 MAX_NEW_TOKENS = 16
+PREFILL_MAX_HEAD_DIM = 128  # the prefill path keeps a query block's chunks in four tiles
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
@@ -103,11 +104,10 @@ class NativeAttention:
         kernel); otherwise AVX512-BF16 dot products."""
         return bool(self._lib.asymspec_attention_uses_amx())
 
-    @property
-    def prefills(self) -> bool:
-        """Whether ``prefill`` runs here (it needs AMX tiles); else prefill chunks stay with
-        torch's flash kernel."""
-        return self.uses_amx
+    def prefills(self, head_dim: int) -> bool:
+        """Whether ``prefill`` runs here for heads of ``head_dim`` (it needs AMX tiles and
+        at most PREFILL_MAX_HEAD_DIM); else prefill chunks stay with torch's flash kernel."""
+        return self.uses_amx and head_dim <= PREFILL_MAX_HEAD_DIM
 
     def allow_amx(self, allow: bool) -> None:
         """Tests: the AVX512-BF16 path on a machine that has AMX (False), or back."""
@@ -174,9 +174,12 @@ class NativeAttention:
         scale: float,
     ) -> None:
         """``attend`` for sessions with many new tokens (prefill chunks); needs
-        ``prefills``. Any head size that is a multiple of 32 up to 128."""
-        if not self.prefills:
-            raise RuntimeError("the native prefill attention needs AMX tiles")
+        ``prefills`` for the head size."""
+        if not self.prefills(q.shape[2]):
+            raise RuntimeError(
+                f"the native prefill attention needs AMX tiles and heads of at most "
+                f"{PREFILL_MAX_HEAD_DIM}"
+            )
         self._call(self._prefill, plan, layer, q, k_new, v_new, out, scale)
 
     def _call(
