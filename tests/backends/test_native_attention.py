@@ -50,32 +50,26 @@ def native_path(request: pytest.FixtureRequest, native: NativeAttention) -> Iter
     native.allow_amx(True)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("n_new", [1, 3, 16])
-def test_the_kernel_is_as_accurate_as_torch_flash_attention(
-    native: NativeAttention, native_path: str, head_dim: int, n_new: int
-) -> None:
-    """Ragged sessions (1 to 700 cached positions, so 16-key blocks end mid-way), queries
-    in strided rows; against float64 attention of the same bf16 inputs, the kernel's
-    error stays within torch's bf16 SDPA error on the same sessions (both round the output
-    to bf16, so both are ~1 bf16 ulp)."""
-    generator = torch.Generator().manual_seed(head_dim * 100 + n_new)
-    bases = [0, 1, 15, 16, 17, 250, 700]
-    slots = [_bf16(generator, LAYERS, 2, KV_HEADS, base + n_new + 5, head_dim) for base in bases]
-    before = [slot.clone() for slot in slots]
-    rows = len(bases) * n_new
-    qkv = _bf16(generator, rows, HEADS + 2 * KV_HEADS, head_dim, std=2.0)
-    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)  # strided rows
-    out = torch.full((rows, HEADS, head_dim), float("nan"), dtype=torch.bfloat16)
-    layer, scale = 1, head_dim**-0.5
-    plan = native.plan([b * n_new for b in range(len(bases))], [n_new] * len(bases), bases, slots)
-    native.attend(plan, layer, q, k, v, out, scale)
-
+def _errors_against_float64(
+    slots: list[torch.Tensor],
+    before: list[torch.Tensor],
+    row0: list[int],
+    counts: list[int],
+    bases: list[int],
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    layer: int,
+    scale: float,
+) -> tuple[float, float]:
+    """After the kernel ran on ``out``: checks that each session's new keys and values
+    landed at positions base .. base + n - 1 of ``layer`` only, and returns the largest
+    errors against float64 attention of the same bf16 inputs, the kernel's and torch's
+    bf16 SDPA's."""
+    q, k, v = qkv
     worst_native = worst_torch = 0.0
-    for b, base in enumerate(bases):
-        rows_b = slice(b * n_new, (b + 1) * n_new)
+    for b, (base, n_new) in enumerate(zip(bases, counts, strict=True)):
+        rows_b = slice(row0[b], row0[b] + n_new)
         total = base + n_new
-        # The new keys and values landed at positions base .. total - 1 of this layer only.
         expected = before[b].clone()
         expected[layer, 0, :, base:total] = k[rows_b].transpose(0, 1)
         expected[layer, 1, :, base:total] = v[rows_b].transpose(0, 1)
@@ -95,6 +89,32 @@ def test_the_kernel_is_as_accurate_as_torch_flash_attention(
         assert not got.isnan().any()
         worst_native = max(worst_native, float((got.double() - exact).abs().max()))
         worst_torch = max(worst_torch, float((by_torch.double() - exact).abs().max()))
+    return worst_native, worst_torch
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("n_new", [1, 3, 16])
+def test_the_kernel_is_as_accurate_as_torch_flash_attention(
+    native: NativeAttention, native_path: str, head_dim: int, n_new: int
+) -> None:
+    """Ragged sessions (1 to 700 cached positions, so 16-key blocks end mid-way), queries
+    in strided rows; against float64 attention of the same bf16 inputs, the kernel's
+    error stays within torch's bf16 SDPA error on the same sessions (both round the output
+    to bf16, so both are ~1 bf16 ulp)."""
+    generator = torch.Generator().manual_seed(head_dim * 100 + n_new)
+    bases = [0, 1, 15, 16, 17, 250, 700]
+    slots = [_bf16(generator, LAYERS, 2, KV_HEADS, base + n_new + 5, head_dim) for base in bases]
+    before = [slot.clone() for slot in slots]
+    rows = len(bases) * n_new
+    qkv = _bf16(generator, rows, HEADS + 2 * KV_HEADS, head_dim, std=2.0)
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)  # strided rows
+    out = torch.full((rows, HEADS, head_dim), float("nan"), dtype=torch.bfloat16)
+    layer, scale = 1, head_dim**-0.5
+    row0 = [b * n_new for b in range(len(bases))]
+    native.attend(native.plan(row0, [n_new] * len(bases), bases, slots), layer, q, k, v, out, scale)
+    worst_native, worst_torch = _errors_against_float64(
+        slots, before, row0, [n_new] * len(bases), bases, (q, k, v), out, layer, scale
+    )
     assert worst_native <= 1.25 * worst_torch + 1e-3, (worst_native, worst_torch)
 
 
@@ -124,29 +144,9 @@ def test_the_prefill_path_is_as_accurate_as_torch_flash_attention(
     plan = native.plan(row0, counts, bases, slots)
     native.prefill(plan, layer, q, k, v, out, scale)
 
-    worst_native = worst_torch = 0.0
-    for b, (base, n_new) in enumerate(zip(bases, counts, strict=True)):
-        rows_b = slice(row0[b], row0[b] + n_new)
-        total = base + n_new
-        expected = before[b].clone()
-        expected[layer, 0, :, base:total] = k[rows_b].transpose(0, 1)
-        expected[layer, 1, :, base:total] = v[rows_b].transpose(0, 1)
-        assert torch.equal(slots[b], expected)
-        group = HEADS // KV_HEADS
-        keys = slots[b][layer, 0, :, :total].repeat_interleave(group, 0)
-        values = slots[b][layer, 1, :, :total].repeat_interleave(group, 0)
-        queries = q[rows_b].transpose(0, 1)  # [H, n, D]
-        mask = torch.ones(n_new, total, dtype=torch.bool).tril(base)
-        exact = F.scaled_dot_product_attention(
-            queries.double(), keys.double(), values.double(), attn_mask=mask, scale=scale
-        )
-        by_torch = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale
-        )
-        got = out[rows_b].transpose(0, 1)
-        assert not got.isnan().any()
-        worst_native = max(worst_native, float((got.double() - exact).abs().max()))
-        worst_torch = max(worst_torch, float((by_torch.double() - exact).abs().max()))
+    worst_native, worst_torch = _errors_against_float64(
+        slots, before, row0, counts, bases, (q, k, v), out, layer, scale
+    )
     assert worst_native <= 1.5 * worst_torch + 1e-3, (worst_native, worst_torch)
 
     threads = torch.get_num_threads()

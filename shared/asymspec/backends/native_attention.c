@@ -120,6 +120,21 @@ static inline void transpose_16x16(__m512i r[16]) {
 }
 
 #if HAVE_AMX
+/* The permutations that interleave two rows of 32 bf16 values a and b for AMX's B layout:
+ * (a, low, b) gives a[0], b[0], a[1], b[1] .. a[15], b[15]; (a, high, b) the same from
+ * element 16 on. */
+static inline void pair_indices(__m512i* low, __m512i* high) {
+    uint16_t lo[32], hi[32];
+    for (int d = 0; d < 16; d++) {
+        lo[2 * d] = (uint16_t)d;
+        lo[2 * d + 1] = (uint16_t)(32 + d);
+        hi[2 * d] = (uint16_t)(16 + d);
+        hi[2 * d + 1] = (uint16_t)(48 + d);
+    }
+    *low = _mm512_loadu_si512(lo);
+    *high = _mm512_loadu_si512(hi);
+}
+
 /* Output rows = weights x V on tiles, 16 queries and 64 dimensions at a time. Each weight
  * goes in as two bf16 parts (hi = bf16(w), lo = bf16(w - hi)), both multiplied and summed
  * in float32: 16 of its 24 bits, where one part alone would keep 8 and lose accuracy
@@ -141,17 +156,7 @@ static void weigh_values_amx(int nq, int padded, const uint16_t* V, int64_t L, c
         }
     /* element 2d of an interleaved row: key 2k's dimension d; 2d + 1: key 2k + 1's */
     __m512i low_index, high_index;
-    {
-        uint16_t lo[32], hi[32];
-        for (int d = 0; d < 16; d++) {
-            lo[2 * d] = (uint16_t)d;
-            lo[2 * d + 1] = (uint16_t)(32 + d);
-            hi[2 * d] = (uint16_t)(16 + d);
-            hi[2 * d + 1] = (uint16_t)(48 + d);
-        }
-        low_index = _mm512_loadu_si512(lo);
-        high_index = _mm512_loadu_si512(hi);
-    }
+    pair_indices(&low_index, &high_index);
     static const uint16_t zero_row[32 * MAX_CHUNKS];
     float o[16 * 64];
     for (int d0 = 0; d0 < D; d0 += 64) {
@@ -480,17 +485,7 @@ static void lay_out_keys(const uint16_t* K, int64_t L, int D, int64_t block16, u
 static void lay_out_values(const uint16_t* V, int64_t L, int D, int64_t block32, uint16_t* vp) {
     static const uint16_t zero_row[32 * MAX_CHUNKS];
     __m512i low_index, high_index;
-    {
-        uint16_t lo[32], hi[32];
-        for (int d = 0; d < 16; d++) {
-            lo[2 * d] = (uint16_t)d;
-            lo[2 * d + 1] = (uint16_t)(32 + d);
-            hi[2 * d] = (uint16_t)(16 + d);
-            hi[2 * d + 1] = (uint16_t)(48 + d);
-        }
-        low_index = _mm512_loadu_si512(lo);
-        high_index = _mm512_loadu_si512(hi);
-    }
+    pair_indices(&low_index, &high_index);
     const int lanes = D / 16;
     for (int k = 0; k < 16; k++) {
         const int64_t t = block32 * 32 + 2 * k;

@@ -24,7 +24,9 @@
 #define PARALLEL_ELEMENTS 16384
 
 /* Runs body(first, last) over rows 0 .. rows - 1: in contiguous ranges on n_threads threads
- * where the call is large enough, else in one range here. */
+ * where the call is large enough, else in one range here. Not `omp parallel for if (...)`:
+ * a false if-clause still opens a one-thread team, ~0.5 us a call (2.4 -> 2.9 us for a
+ * one-row norm), ~90 calls a forward. */
 #define SPLIT_ROWS(rows, elements, n_threads, body)                                          \
     do {                                                                                     \
         if ((elements) >= PARALLEL_ELEMENTS && (n_threads) > 1) {                            \
