@@ -348,14 +348,12 @@ static void attend_item_any(const uint16_t* const* q_rows, int nq, int g, const 
         attend_item(q_rows, nq, g, K, V, base, L, D, scale, S, Q, P, pairs, amx, out_rows);
 }
 
-/* 0 on success; -1 for a head size this kernel does not take; -2 when memory ran out. */
-int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
-                         const int64_t* base, const int64_t* slots, const int64_t* cap,
-                         int layer, const uint16_t* q, int64_t q_stride, const uint16_t* k_new,
-                         int64_t k_stride, const uint16_t* v_new, int64_t v_stride,
-                         uint16_t* out, int H, int H_kv, int D, float scale, int n_threads) {
-    if (D % 32 != 0 || D > 32 * MAX_CHUNKS || H % H_kv != 0) return -1;
-    const int g = H / H_kv, amx = asymspec_attention_uses_amx();
+/* Each session's new keys and values (rows row0[b] .. + n[b] - 1) into layer `layer` of its
+ * slot, at positions base[b] .. */
+static void write_new_keys_values(int n_sessions, const int64_t* row0, const int64_t* n,
+                                  const int64_t* base, const int64_t* slots, const int64_t* cap,
+                                  int layer, const uint16_t* k_new, int64_t k_stride,
+                                  const uint16_t* v_new, int64_t v_stride, int H_kv, int D) {
     for (int b = 0; b < n_sessions; b++) {
         uint16_t* slot = (uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
         for (int64_t j = 0; j < n[b]; j++) {
@@ -368,6 +366,18 @@ int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
             }
         }
     }
+}
+
+/* 0 on success; -1 for a head size this kernel does not take; -2 when memory ran out. */
+int asymspec_attend_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
+                         const int64_t* base, const int64_t* slots, const int64_t* cap,
+                         int layer, const uint16_t* q, int64_t q_stride, const uint16_t* k_new,
+                         int64_t k_stride, const uint16_t* v_new, int64_t v_stride,
+                         uint16_t* out, int H, int H_kv, int D, float scale, int n_threads) {
+    if (D % 32 != 0 || D > 32 * MAX_CHUNKS || H % H_kv != 0) return -1;
+    const int g = H / H_kv, amx = asymspec_attention_uses_amx();
+    write_new_keys_values(n_sessions, row0, n, base, slots, cap, layer, k_new, k_stride, v_new,
+                          v_stride, H_kv, D);
     const int items = n_sessions * H_kv;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -690,19 +700,8 @@ int asymspec_prefill_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
 #if HAVE_AMX
     if (D % 32 != 0 || D > 128 || H % H_kv != 0 || !asymspec_attention_uses_amx()) return -1;
     const int g = H / H_kv;
-    /* the new keys and values into the slots */
-    for (int b = 0; b < n_sessions; b++) {
-        uint16_t* slot = (uint16_t*)slots[b] + (int64_t)layer * 2 * H_kv * cap[b] * D;
-        for (int64_t j = 0; j < n[b]; j++) {
-            const int64_t r = row0[b] + j, pos = base[b] + j;
-            for (int h = 0; h < H_kv; h++) {
-                memcpy(slot + ((int64_t)h * cap[b] + pos) * D, k_new + r * k_stride + (int64_t)h * D,
-                       (size_t)D * 2);
-                memcpy(slot + ((int64_t)(H_kv + h) * cap[b] + pos) * D,
-                       v_new + r * v_stride + (int64_t)h * D, (size_t)D * 2);
-            }
-        }
-    }
+    write_new_keys_values(n_sessions, row0, n, base, slots, cap, layer, k_new, k_stride, v_new,
+                          v_stride, H_kv, D);
     /* per (session, KV head): its keys and values in the tiles' layouts, each
      * ceil(L / 64) x 64 x D bf16; items_before[b]: query-block items of earlier sessions */
     int64_t* layout_at = malloc(sizeof(int64_t) * (size_t)(n_sessions + 1));
