@@ -50,15 +50,15 @@ def test_pack_lays_each_tile_out_as_amx_reads_it() -> None:
         native_linear.pack_weight(torch.zeros(16, 48, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 80, 81, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 80, 81, 100, 128, 145])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (40, 96), (96, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_products_are_float32_sums_rounded_to_bf16(
     kernel: NativeLinear, rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
     """Against float64 on the same bf16 inputs: within one bf16 rounding (plus float32's
-    summation error), for partial row blocks, several passes of row blocks and a partial
-    column block."""
+    summation error), for partial row blocks, several passes of row blocks, a partial
+    column block, and from 128 rows column blocks in pairs (with an odd one left over)."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = _bf16(generator, rows, in_features)
     weight = _bf16(generator, out_features, in_features)
@@ -70,10 +70,11 @@ def test_products_are_float32_sums_rounded_to_bf16(
     assert bool(((y.double() - want).abs() <= want.abs() * 2**-8 + summing + 1e-30).all())
 
 
-def test_thread_counts_give_the_same_bits(kernel: NativeLinear) -> None:
+@pytest.mark.parametrize("rows", [33, 150])
+def test_thread_counts_give_the_same_bits(kernel: NativeLinear, rows: int) -> None:
     """Each column block is summed by one thread in one order, however many there are."""
     generator = torch.Generator().manual_seed(7)
-    x, weight = _bf16(generator, 33, 128), _bf16(generator, 200, 128)
+    x, weight = _bf16(generator, rows, 128), _bf16(generator, 200, 128)
     packed = native_linear.pack_weight(weight)
     threads = torch.get_num_threads()
     try:
@@ -84,6 +85,17 @@ def test_thread_counts_give_the_same_bits(kernel: NativeLinear) -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_column_pairs_give_the_rows_the_bits_of_single_blocks(kernel: NativeLinear) -> None:
+    """From 128 rows the kernel pairs column blocks; each sum still runs over k in order,
+    so a row's products do not depend on how many rows came with it."""
+    generator = torch.Generator().manual_seed(9)
+    x, weight = _bf16(generator, 200, 96), _bf16(generator, 72, 96)
+    packed = native_linear.pack_weight(weight)
+    paired = kernel(x, packed, 72, None)  # 13 row blocks: pairs
+    for start, stop in ((0, 100), (100, 200), (190, 191)):  # 7, 7 and 1 row blocks: single
+        assert torch.equal(paired[start:stop], kernel(x[start:stop], packed, 72, None))
 
 
 def test_strided_rows_are_read_as_their_values(kernel: NativeLinear) -> None:
