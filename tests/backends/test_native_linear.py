@@ -57,8 +57,8 @@ def test_products_are_float32_sums_rounded_to_bf16(
     kernel: NativeLinear, rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
     """Against float64 on the same bf16 inputs: within one bf16 rounding (plus float32's
-    summation error), for partial row blocks, several passes of row blocks, a partial
-    column block, and from 128 rows column blocks in pairs (with an odd one left over)."""
+    summation error), for partial row blocks, several passes of row blocks (128 and 145
+    rows: two and two with a partial last) and a partial column block."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = _bf16(generator, rows, in_features)
     weight = _bf16(generator, out_features, in_features)
@@ -87,15 +87,15 @@ def test_thread_counts_give_the_same_bits(kernel: NativeLinear, rows: int) -> No
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-def test_column_pairs_give_the_rows_the_bits_of_single_blocks(kernel: NativeLinear) -> None:
-    """From 128 rows the kernel pairs column blocks; each sum still runs over k in order,
-    so a row's products do not depend on how many rows came with it."""
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernel: NativeLinear) -> None:
+    """Each sum runs over k in order, whichever pass of row blocks its row falls in, so a
+    row's products are the same alone, in one pass, or in the third of three."""
     generator = torch.Generator().manual_seed(9)
     x, weight = _bf16(generator, 200, 96), _bf16(generator, 72, 96)
     packed = native_linear.pack_weight(weight)
-    paired = kernel(x, packed, 72, None)  # 13 row blocks: pairs
-    for start, stop in ((0, 100), (100, 200), (190, 191)):  # 7, 7 and 1 row blocks: single
-        assert torch.equal(paired[start:stop], kernel(x[start:stop], packed, 72, None))
+    together = kernel(x, packed, 72, None)  # 13 row blocks: passes of 5, 5 and 3
+    for start, stop in ((0, 100), (100, 200), (190, 191)):  # 7, 7 and 1 row blocks
+        assert torch.equal(together[start:stop], kernel(x[start:stop], packed, 72, None))
 
 
 def test_strided_rows_are_read_as_their_values(kernel: NativeLinear) -> None:

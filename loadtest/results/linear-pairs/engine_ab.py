@@ -5,8 +5,8 @@
         [--reps 15] [--burn 0.3] [--out loadtest/results/linear-pairs/engine_ab.json]
 
 Each source is built as the engine builds its kernels and swapped into every linear layer
-of one LlamaEngine (SmolLM2-135M, bf16, 2 threads). Shapes: a 16-session decode step
-(16 x 1), a 16-block gamma = 4 verify (16 x 5), a 256-token prefill chunk after 512
+of one LlamaEngine (SmolLM2-135M, bf16, 2 threads). Shapes: a one-session decode step
+(1 x 1), a 16-session one (16 x 1), a 16-block gamma = 4 verify (16 x 5), a 256-token prefill chunk after 512
 cached. Each rep times every variant once per shape, in alternating order, and the
 variants are compared by the median of their per-rep time ratios (the machine drifts
 between fast and slow phases within minutes; adjacent runs share the phase). ``--burn``
@@ -78,6 +78,7 @@ def main() -> None:
         return batch, {s: engine.length(s) for s, _ in batch}
 
     shapes = {
+        "1x1": setup("o", 1, 1),
         "16x1": setup("d", 16, 1),
         "16x5": setup("v", 16, 5),
         "prefill 256": setup("p", 1, 256),

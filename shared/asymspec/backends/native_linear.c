@@ -31,7 +31,6 @@
 
 #define ROW_BLOCKS 5 /* 16-row blocks of x per pass over a column block: tiles 0-4 */
 #define PREFETCH_BYTES 2048 /* how far ahead of the tile being loaded the stream is fetched */
-#define PAIR_ROW_BLOCKS 8 /* from 128 rows on, column blocks go in pairs (column_pair) */
 
 /* Whether this process may use AMX tile data (an arch_prctl request; oneDNN makes the
  * same one). 0 where the compiler did not target AMX. */
@@ -79,138 +78,6 @@ static inline void emit(const float* out, int64_t rows, const float* bias, int64
         _mm256_mask_storeu_epi16(y + r * N + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
-
-/* What one call computes: x (its last row block, when partial, read from `padded`) times
- * the packed weight, into y. */
-typedef struct {
-    const uint16_t* x;
-    const uint16_t* padded; /* the last row block zero-padded to 16 rows, or NULL */
-    int64_t row_blocks, last_rows, k_tiles, N;
-    const uint16_t* packed;
-    const float* bias;
-    uint16_t* y;
-} product;
-
-static inline const uint8_t* row_block(const product* p, int64_t rb) {
-    return (const uint8_t*)((rb == p->row_blocks - 1 && p->padded) ? p->padded
-                                                                   : p->x + rb * 16 * p->k_tiles * 32);
-}
-
-static inline int block_columns(const product* p, int64_t cb) {
-    return p->N - 16 * cb < 16 ? (int)(p->N - 16 * cb) : 16;
-}
-
-/* One column block: passes of up to ROW_BLOCKS row blocks, each a chain of sums (tiles
- * 0-4) fed by one weight tile per k step (tile 7), read once from memory in the first pass
- * and from cache after. The passes are as even as they go (16 blocks: 4 + 4 + 4 + 4, not
- * 5 + 5 + 5 + 1, whose last pass would wait on one chain's latency). */
-static void column_block(const product* p, int64_t cb) {
-    const int64_t x_stride = p->k_tiles * 64;
-    const int64_t passes = (p->row_blocks + ROW_BLOCKS - 1) / ROW_BLOCKS;
-    const int64_t group = (p->row_blocks + passes - 1) / passes;
-    const uint8_t* tiles = (const uint8_t*)(p->packed + cb * p->k_tiles * 512);
-    float out[16 * 16] __attribute__((aligned(64)));
-    for (int64_t rb0 = 0; rb0 < p->row_blocks; rb0 += group) {
-        const int count = p->row_blocks - rb0 < group ? (int)(p->row_blocks - rb0) : (int)group;
-        const uint8_t* a[ROW_BLOCKS];
-        for (int j = 0; j < count; j++) a[j] = row_block(p, rb0 + j);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_zero(4);
-        for (int64_t kt = 0; kt < p->k_tiles; kt++) {
-            const uint8_t* b = tiles + kt * 1024;
-            if (rb0 == 0) /* later passes find the column block in cache */
-                for (int line = 0; line < 1024; line += 64)
-                    _mm_prefetch((const char*)b + PREFETCH_BYTES + line, _MM_HINT_T0);
-            _tile_loadd(7, b, 64);
-            const int64_t k_byte = kt * 64;
-            /* tile numbers must be constants: one line per sum tile */
-            _tile_loadd(5, a[0] + k_byte, x_stride);
-            _tile_dpbf16ps(0, 5, 7);
-            if (count > 1) {
-                _tile_loadd(5, a[1] + k_byte, x_stride);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-            if (count > 2) {
-                _tile_loadd(5, a[2] + k_byte, x_stride);
-                _tile_dpbf16ps(2, 5, 7);
-            }
-            if (count > 3) {
-                _tile_loadd(5, a[3] + k_byte, x_stride);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            if (count > 4) {
-                _tile_loadd(5, a[4] + k_byte, x_stride);
-                _tile_dpbf16ps(4, 5, 7);
-            }
-        }
-#define EMIT(j)                                                                              \
-    if (count > j) {                                                                         \
-        const int64_t rb = rb0 + j;                                                          \
-        _tile_stored(j, out, 64);                                                            \
-        emit(out, rb == p->row_blocks - 1 ? p->last_rows : 16, p->bias, 16 * cb,             \
-             block_columns(p, cb), p->N, p->y + rb * 16 * p->N);                             \
-    }
-        EMIT(0)
-        EMIT(1)
-        EMIT(2)
-        EMIT(3)
-        EMIT(4)
-#undef EMIT
-    }
-}
-
-/* Column blocks cb and cb + 1, two row blocks at a time: x in tiles 4 and 5, the weights
- * in 6 and 7, four sums (0-3), every loaded tile used twice. For many rows the x tiles
- * (from L2: a pass over a column block reads all of x) bind column_block, one per
- * product; here there is half one per product. */
-static void column_pair(const product* p, int64_t cb) {
-    const int64_t x_stride = p->k_tiles * 64;
-    const uint8_t* w0 = (const uint8_t*)(p->packed + cb * p->k_tiles * 512);
-    const uint8_t* w1 = w0 + p->k_tiles * 1024;
-    float out[16 * 16] __attribute__((aligned(64)));
-    for (int64_t rb0 = 0; rb0 < p->row_blocks; rb0 += 2) {
-        const int both = rb0 + 1 < p->row_blocks;
-        const uint8_t* a0 = row_block(p, rb0);
-        const uint8_t* a1 = both ? row_block(p, rb0 + 1) : a0; /* else computed, not kept */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kt = 0; kt < p->k_tiles; kt++) {
-            const uint8_t* b0 = w0 + kt * 1024;
-            const uint8_t* b1 = w1 + kt * 1024;
-            if (rb0 == 0)
-                for (int line = 0; line < 1024; line += 64) {
-                    _mm_prefetch((const char*)b0 + PREFETCH_BYTES + line, _MM_HINT_T0);
-                    _mm_prefetch((const char*)b1 + PREFETCH_BYTES + line, _MM_HINT_T0);
-                }
-            const int64_t k_byte = kt * 64;
-            _tile_loadd(4, a0 + k_byte, x_stride);
-            _tile_loadd(6, b0, 64);
-            _tile_loadd(5, a1 + k_byte, x_stride);
-            _tile_loadd(7, b1, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-#define EMIT(tile, j, c)                                                                      \
-    if (j == 0 || both) {                                                                     \
-        const int64_t rb = rb0 + j;                                                           \
-        _tile_stored(tile, out, 64);                                                          \
-        emit(out, rb == p->row_blocks - 1 ? p->last_rows : 16, p->bias, 16 * (cb + c),        \
-             block_columns(p, cb + c), p->N, p->y + rb * 16 * p->N);                          \
-    }
-        EMIT(0, 0, 0)
-        EMIT(1, 0, 1)
-        EMIT(2, 1, 0)
-        EMIT(3, 1, 1)
-#undef EMIT
-    }
-}
 #endif
 
 /* Returns 0, or 1 for unsupported shapes or no AMX, 2 when out of memory. */
@@ -218,32 +85,81 @@ int asymspec_linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t
                          int64_t N, const float* bias, uint16_t* y, int threads) {
 #if HAVE_AMX
     if (M < 1 || N < 1 || K < 32 || K % 32 != 0 || !asymspec_linear_uses_amx()) return 1;
-    const int64_t col_blocks = (N + 15) / 16, row_blocks = (M + 15) / 16;
-    product p = {x, NULL, row_blocks, M - 16 * (row_blocks - 1), K / 32, N, packed, bias, y};
-    uint16_t* padded = NULL;
-    if (p.last_rows < 16) {
+    const int64_t col_blocks = (N + 15) / 16, k_tiles = K / 32;
+    const int64_t row_blocks = (M + 15) / 16, last_rows = M - 16 * (row_blocks - 1);
+    const int64_t x_stride = K * 2;
+    uint16_t* padded = NULL; /* the last row block, zero-padded to 16 rows */
+    if (last_rows < 16) {
         padded = aligned_alloc(64, (size_t)(16 * K * 2));
         if (!padded) return 2;
         memset(padded, 0, (size_t)(16 * K * 2));
-        memcpy(padded, x + (row_blocks - 1) * 16 * K, (size_t)(p.last_rows * K * 2));
-        p.padded = padded;
+        memcpy(padded, x + (row_blocks - 1) * 16 * K, (size_t)(last_rows * K * 2));
     }
-    /* in pairs of column blocks from PAIR_ROW_BLOCKS row blocks on (a thread's share of the
-     * pairs; an odd last block goes with the last share) */
-    const int pairs = row_blocks >= PAIR_ROW_BLOCKS;
-    const int64_t units = pairs ? col_blocks / 2 : col_blocks;
 #pragma omp parallel num_threads(threads)
     {
         configure_tiles();
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t first = units * id / nt, stop = units * (id + 1) / nt;
-        for (int64_t u = first; u < stop; u++) {
-            if (pairs)
-                column_pair(&p, 2 * u);
-            else
-                column_block(&p, u);
+        const int64_t first = col_blocks * id / nt, stop = col_blocks * (id + 1) / nt;
+        float out[16 * 16] __attribute__((aligned(64)));
+        for (int64_t cb = first; cb < stop; cb++) {
+            const uint8_t* tiles = (const uint8_t*)(packed + cb * k_tiles * 512);
+            const int cols = N - 16 * cb < 16 ? (int)(N - 16 * cb) : 16;
+            for (int64_t rb0 = 0; rb0 < row_blocks; rb0 += ROW_BLOCKS) {
+                const int count =
+                    row_blocks - rb0 < ROW_BLOCKS ? (int)(row_blocks - rb0) : ROW_BLOCKS;
+                const uint8_t* a[ROW_BLOCKS];
+                for (int j = 0; j < count; j++) {
+                    const int64_t rb = rb0 + j;
+                    a[j] = (const uint8_t*)((rb == row_blocks - 1 && padded) ? padded
+                                                                            : x + rb * 16 * K);
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_zero(4);
+                for (int64_t kt = 0; kt < k_tiles; kt++) {
+                    const uint8_t* b = tiles + kt * 1024;
+                    if (rb0 == 0) /* later passes find the column block in cache */
+                        for (int line = 0; line < 1024; line += 64)
+                            _mm_prefetch((const char*)b + PREFETCH_BYTES + line, _MM_HINT_T0);
+                    _tile_loadd(7, b, 64);
+                    const int64_t k_byte = kt * 64;
+                    /* tile numbers must be constants: one line per sum tile */
+                    _tile_loadd(5, a[0] + k_byte, x_stride);
+                    _tile_dpbf16ps(0, 5, 7);
+                    if (count > 1) {
+                        _tile_loadd(5, a[1] + k_byte, x_stride);
+                        _tile_dpbf16ps(1, 5, 7);
+                    }
+                    if (count > 2) {
+                        _tile_loadd(5, a[2] + k_byte, x_stride);
+                        _tile_dpbf16ps(2, 5, 7);
+                    }
+                    if (count > 3) {
+                        _tile_loadd(5, a[3] + k_byte, x_stride);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    if (count > 4) {
+                        _tile_loadd(5, a[4] + k_byte, x_stride);
+                        _tile_dpbf16ps(4, 5, 7);
+                    }
+                }
+#define EMIT(j)                                                                    \
+    if (count > j) {                                                               \
+        const int64_t rb = rb0 + j;                                                \
+        _tile_stored(j, out, 64);                                                  \
+        emit(out, rb == row_blocks - 1 ? last_rows : 16, bias, 16 * cb, cols, N,   \
+             y + rb * 16 * N);                                                     \
+    }
+                EMIT(0)
+                EMIT(1)
+                EMIT(2)
+                EMIT(3)
+                EMIT(4)
+#undef EMIT
+            }
         }
-        if (pairs && id == nt - 1 && col_blocks % 2) column_block(&p, col_blocks - 1);
         _tile_release();
     }
     free(padded);
