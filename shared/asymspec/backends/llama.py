@@ -518,28 +518,30 @@ class LlamaEngine(SessionTable[_Session]):
         # one call per layer for all of them; the rest (prefill chunks) to its prefill path
         # where it has one (AMX), else to torch's flash attention.
         native = self.native_attention
-        small = [] if native is None else [b for b, n in enumerate(counts) if n <= MAX_NEW_TOKENS]
-        large = [b for b in range(len(batch)) if b not in small]
+        few = [b for b, n in enumerate(counts) if n <= MAX_NEW_TOKENS]
+        decoding = [] if native is None else few
+        prefilling = [b for b in range(len(batch)) if b not in decoding]
+        native_prefills = native is not None and native.prefills(self.head_dim)
         plan = prefill_plan = None
-        if native is not None and small:
+        if native is not None and decoding:
             plan = native.plan(
-                [row0[b] for b in small],
-                [counts[b] for b in small],
-                [sessions[b].length for b in small],
-                [slots[b] for b in small],
+                [row0[b] for b in decoding],
+                [counts[b] for b in decoding],
+                [sessions[b].length for b in decoding],
+                [slots[b] for b in decoding],
             )
-        if native is not None and native.prefills(self.head_dim) and large:
+        if native is not None and native_prefills and prefilling:
             prefill_plan = native.plan(
-                [row0[b] for b in large],
-                [counts[b] for b in large],
-                [sessions[b].length for b in large],
-                [slots[b] for b in large],
+                [row0[b] for b in prefilling],
+                [counts[b] for b in prefilling],
+                [sessions[b].length for b in prefilling],
+                [slots[b] for b in prefilling],
             )
-            large = []
+        by_torch = [] if native_prefills else prefilling  # their attention: torch's SDPA
         # Per session, views into its slot made once per forward, not once per layer (on a
         # CPU each view costs about a microsecond of Python, and a forward has B x layers).
         writes, keys, values, masks = {}, {}, {}, {}
-        for b in large:
+        for b in by_torch:
             base, total = sessions[b].length, sessions[b].length + counts[b]
             writes[b] = slots[b][:, :, :, base:total]  # [layers, 2, H_kv, n, D]
             keys[b] = slots[b][:, 0:1, :, :total]  # [layers, 1, H_kv, base + n, D]
@@ -569,7 +571,7 @@ class LlamaEngine(SessionTable[_Session]):
                     native.attend(plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
                 if prefill_plan is not None:
                     native.prefill(prefill_plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
-                for b in large:  # their rows of attn, by torch
+                for b in by_torch:  # their rows of attn
                     start, stop = row0[b], row0[b] + counts[b]
                     attn[start:stop] = self._torch_attention(
                         qk[start:stop],

@@ -687,7 +687,10 @@ static void prefill_block_any(const uint16_t* qs, int64_t q_step, int rows, int6
 }
 #endif
 
-int asymspec_prefill_uses_amx(void) { return asymspec_attention_uses_amx(); }
+/* The widest head the prefill path takes: a query block's chunks fill tiles 1-4. */
+#define PREFILL_MAX_HEAD_DIM 128
+
+int asymspec_prefill_max_head_dim(void) { return PREFILL_MAX_HEAD_DIM; }
 
 /* The arguments of asymspec_attend_bf16, for sessions with many new tokens each. 0 on
  * success; -1 for shapes this kernel does not take (or no AMX); -2 when memory ran out. */
@@ -698,7 +701,8 @@ int asymspec_prefill_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
                           int64_t v_stride, uint16_t* out, int H, int H_kv, int D, float scale,
                           int n_threads) {
 #if HAVE_AMX
-    if (D % 32 != 0 || D > 128 || H % H_kv != 0 || !asymspec_attention_uses_amx()) return -1;
+    if (D % 32 != 0 || D > PREFILL_MAX_HEAD_DIM || H % H_kv != 0 || !asymspec_attention_uses_amx())
+        return -1;
     const int g = H / H_kv;
     write_new_keys_values(n_sessions, row0, n, base, slots, cap, layer, k_new, k_stride, v_new,
                           v_stride, H_kv, D);

@@ -47,7 +47,6 @@ LIBS = ("-lmvec", "-lm")  # glibc's vector math: the softmax's expf, 16 lanes at
 # head) items parallelise badly and its per-query dot products lose to blocked products:
 # such sessions go to the prefill path (AMX) or to torch's flash kernel.
 MAX_NEW_TOKENS = 16
-PREFILL_MAX_HEAD_DIM = 128  # the prefill path keeps a query block's chunks in four tiles
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
@@ -95,6 +94,9 @@ class NativeAttention:
         prefill.argtypes, prefill.restype = attend.argtypes, _INT
         self._prefill = prefill
         self._lib.asymspec_attention_uses_amx.restype = _INT
+        self._lib.asymspec_prefill_max_head_dim.restype = _INT
+        # the kernel's own limit (its query block's chunks fill four tiles)
+        self.prefill_max_head_dim = int(self._lib.asymspec_prefill_max_head_dim())
         self._lib.asymspec_attention_allow_amx.argtypes = [_INT]
         log.info("native attention: scores on %s", "AMX tiles" if self.uses_amx else "AVX512-BF16")
 
@@ -106,8 +108,8 @@ class NativeAttention:
 
     def prefills(self, head_dim: int) -> bool:
         """Whether ``prefill`` runs here for heads of ``head_dim`` (it needs AMX tiles and
-        at most PREFILL_MAX_HEAD_DIM); else prefill chunks stay with torch's flash kernel."""
-        return self.uses_amx and head_dim <= PREFILL_MAX_HEAD_DIM
+        at most ``prefill_max_head_dim``); else prefill chunks stay with torch's flash kernel."""
+        return self.uses_amx and head_dim <= self.prefill_max_head_dim
 
     def allow_amx(self, allow: bool) -> None:
         """Tests: the AVX512-BF16 path on a machine that has AMX (False), or back."""
@@ -178,7 +180,7 @@ class NativeAttention:
         if not self.prefills(q.shape[2]):
             raise RuntimeError(
                 f"the native prefill attention needs AMX tiles and heads of at most "
-                f"{PREFILL_MAX_HEAD_DIM}"
+                f"{self.prefill_max_head_dim}"
             )
         self._call(self._prefill, plan, layer, q, k_new, v_new, out, scale)
 
