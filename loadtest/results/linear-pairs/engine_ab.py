@@ -6,12 +6,12 @@
 
 Each source is built as the engine builds its kernels and swapped into every linear layer
 of one LlamaEngine (SmolLM2-135M, bf16, 2 threads). Shapes: a one-session decode step
-(1 x 1), a 16-session one (16 x 1), a 16-block gamma = 4 verify (16 x 5), a 256-token prefill chunk after 512
-cached. Each rep times every variant once per shape, in alternating order, and the
-variants are compared by the median of their per-rep time ratios (the machine drifts
-between fast and slow phases within minutes; adjacent runs share the phase). ``--burn``
-adds a busy loop at that duty on one core (10 ms period) while a second pass runs, as an
-edge and a chat client beside the cloud do.
+(1 x 1), a 16-session one (16 x 1), a 16-block gamma = 4 verify (16 x 5), a 256-token
+prefill chunk after 512 cached. Each rep times every variant once per shape, in
+alternating order, and the variants are compared by the median of their per-rep time
+ratios (the machine drifts between fast and slow phases within minutes; adjacent runs
+share the phase). ``--burn`` adds a busy loop at that duty on one core (10 ms period)
+while a second pass runs, as an edge and a chat client beside the cloud do.
 """
 
 from __future__ import annotations
