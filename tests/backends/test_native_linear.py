@@ -58,7 +58,7 @@ def test_products_are_float32_sums_rounded_to_bf16(
 ) -> None:
     """Against float64 on the same bf16 inputs: within one bf16 rounding (plus float32's
     summation error), for partial row blocks, several passes of row blocks (128 and 145
-    rows: two and two with a partial last) and a partial column block."""
+    rows: two passes each, 145's last block partial) and a partial column block."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = _bf16(generator, rows, in_features)
     weight = _bf16(generator, out_features, in_features)

@@ -701,8 +701,8 @@ int asymspec_prefill_bf16(int n_sessions, const int64_t* row0, const int64_t* n,
                           int64_t v_stride, uint16_t* out, int H, int H_kv, int D, float scale,
                           int n_threads) {
 #if HAVE_AMX
-    if (D % 32 != 0 || D > PREFILL_MAX_HEAD_DIM || H % H_kv != 0 || !asymspec_attention_uses_amx())
-        return -1;
+    if (D % 32 != 0 || D > PREFILL_MAX_HEAD_DIM || H % H_kv != 0) return -1;
+    if (!asymspec_attention_uses_amx()) return -1;
     const int g = H / H_kv;
     write_new_keys_values(n_sessions, row0, n, base, slots, cap, layer, k_new, k_stride, v_new,
                           v_stride, H_kv, D);
