@@ -111,12 +111,9 @@ def edge_env(draft: Path, port: int, cloud_port: int, mode: str, **extra: str) -
 
 @contextmanager
 def running(module: str, port: int, env: dict[str, str], log_dir: Path) -> Iterator[Service]:
-    service = Service(module, port, env, log_dir / f"{module}-{port}.log")
-    try:
-        service.wait_healthy()
-        yield service
-    finally:
-        service.stop()
+    """One service: ``running_all`` of it alone."""
+    with running_all({module: (module, port, env)}, log_dir) as services:
+        yield services[module]
 
 
 @contextmanager
