@@ -54,6 +54,7 @@ from transformers import PreTrainedModel
 from asymspec.backends.engine import NewTokens, SessionTable
 from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported
 from asymspec.backends.native_attention import MAX_NEW_TOKENS, NativeAttention
+from asymspec.backends.native_layers import NativeLayers
 from asymspec.backends.native_linear import NativeLinear, pack_weight
 from asymspec.backends.native_pointwise import NativePointwise
 
@@ -291,6 +292,7 @@ class LlamaEngine(SessionTable[_Session]):
         native_attention: bool | None = None,
         native_linear: bool | None = None,
         native_pointwise: bool | None = None,
+        native_layers: bool | None = None,
     ) -> None:
         """``native_attention``: the native decode/verify attention kernel (True: required,
         False: never; None: as ``ASYMSPEC_NATIVE_ATTENTION`` says, by default where it
@@ -298,7 +300,9 @@ class LlamaEngine(SessionTable[_Session]):
         ``native_linear``: the native AMX products, alike (``ASYMSPEC_NATIVE_LINEAR``,
         ``asymspec.backends.native_linear``); never with fp16 weights. ``native_pointwise``:
         the fused norms, rotary and SiLU, alike (``ASYMSPEC_NATIVE_POINTWISE``,
-        ``asymspec.backends.native_pointwise``)."""
+        ``asymspec.backends.native_pointwise``). ``native_layers``: the decoder layers in
+        one native call where all three kernels are native, alike
+        (``ASYMSPEC_NATIVE_LAYERS``, ``asymspec.backends.native_layers``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaEngine cannot run this model: {reason}")
@@ -329,14 +333,21 @@ class LlamaEngine(SessionTable[_Session]):
         self.pointwise = NativePointwise.for_engine(
             self.dtype, model.device, self.head_dim, native_pointwise
         )
+        self.native_layers = NativeLayers.for_engine(
+            self.native_linear, self.pointwise, self.native_attention, native_layers
+        )
+        if self.native_layers is not None:
+            self.native_layers.bind(self.layers)
         log.info(
-            "LlamaEngine: %d layers, %s on %s, %s weights, %s pointwise, %s attention",
+            "LlamaEngine: %d layers, %s on %s, %s weights, %s pointwise, %s attention, "
+            "layers driven from %s",
             len(self.layers),
             self.dtype,
             model.device,
             self.layout.value,
             "native" if self.pointwise is not None else "torch",
             "native" if self.native_attention is not None else "torch",
+            "C" if self.native_layers is not None else "Python",
         )
 
     # ------------------------------------------------------------------ weights
@@ -559,46 +570,60 @@ class LlamaEngine(SessionTable[_Session]):
         if self.pointwise is not None:  # the kernel takes [T, D]: views made once
             cos, sin = cos[:, 0], sin[:, 0]
         h = self._norm(x, self.layers[0].input_norm)
-        for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)  # [T, (H + 2 H_kv) D]
-            qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
-            qk = self._rotary(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
-            if plan is not None or prefill_plan is not None:
-                assert native is not None
-                attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
-                q_rows, k_rows, v_rows = qk[:, :h_q], qk[:, h_q:], v.view(-1, h_kv, d)
-                if plan is not None:
-                    native.attend(plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
-                if prefill_plan is not None:
-                    native.prefill(prefill_plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
-                for b in by_torch:  # their rows of attn
-                    start, stop = row0[b], row0[b] + counts[b]
-                    attn[start:stop] = self._torch_attention(
-                        qk[start:stop],
-                        v[start:stop],
-                        writes[b][i],
-                        keys[b][i],
-                        values[b][i],
-                        masks[b],
-                    )
-            else:
-                attn = torch.cat(
-                    [
-                        self._torch_attention(
-                            qk[start : start + n],
-                            v[start : start + n],
+        if self.native_layers is not None and not by_torch:  # one native call, every layer
+            self.native_layers.run(
+                x,
+                h,
+                cos,
+                sin,
+                plan,
+                prefill_plan,
+                (h_q, h_kv, d),
+                self.layers[0].down_in,
+                self.eps,
+                attn_scale,
+            )
+        else:
+            for i, layer in enumerate(self.layers):
+                qkv = layer.qkv(h)  # [T, (H + 2 H_kv) D]
+                qk, v = qkv.split([(h_q + h_kv) * d, h_kv * d], dim=-1)
+                qk = self._rotary(qk.view(-1, h_q + h_kv, d), cos, sin)  # [T, H + H_kv, D]
+                if plan is not None or prefill_plan is not None:
+                    assert native is not None
+                    attn = x.new_empty((x.shape[0], h_q, d))  # [T, H, D]
+                    q_rows, k_rows, v_rows = qk[:, :h_q], qk[:, h_q:], v.view(-1, h_kv, d)
+                    if plan is not None:
+                        native.attend(plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
+                    if prefill_plan is not None:
+                        native.prefill(prefill_plan, i, q_rows, k_rows, v_rows, attn, attn_scale)
+                    for b in by_torch:  # their rows of attn
+                        start, stop = row0[b], row0[b] + counts[b]
+                        attn[start:stop] = self._torch_attention(
+                            qk[start:stop],
+                            v[start:stop],
                             writes[b][i],
                             keys[b][i],
                             values[b][i],
                             masks[b],
                         )
-                        for b, (start, n) in enumerate(zip(row0, counts, strict=True))
-                    ]
-                )
-            x, h = self._add_norm(x, layer.o(attn.view(-1, h_q * d)), layer.post_norm)
-            act = self._silu_mul(layer.gate_up(h))
-            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x, h = self._add_norm(x, layer.down(act), following)
+                else:
+                    attn = torch.cat(
+                        [
+                            self._torch_attention(
+                                qk[start : start + n],
+                                v[start : start + n],
+                                writes[b][i],
+                                keys[b][i],
+                                values[b][i],
+                                masks[b],
+                            )
+                            for b, (start, n) in enumerate(zip(row0, counts, strict=True))
+                        ]
+                    )
+                x, h = self._add_norm(x, layer.o(attn.view(-1, h_q * d)), layer.post_norm)
+                act = self._silu_mul(layer.gate_up(h))
+                following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+                x, h = self._add_norm(x, layer.down(act), following)
 
         # Per item the last max(keep, feature) rows go through the final norm once; the
         # logits come from its last `keep` and the features are its last `feature`.

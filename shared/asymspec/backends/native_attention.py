@@ -83,28 +83,28 @@ class NativeAttention:
     """The loaded kernel. Stateless: one engine's forwards call it from one thread."""
 
     def __init__(self, library: Path) -> None:
-        self._lib = ctypes.CDLL(str(library))  # after torch: it binds to torch's libgomp
-        attend = self._lib.asymspec_attend_bf16
+        self.library = ctypes.CDLL(str(library))  # after torch: it binds to torch's libgomp
+        attend = self.library.asymspec_attend_bf16
         attend.argtypes = [_INT, _P, _P, _P, _P, _P, _INT]
         attend.argtypes += [_P, _I64, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, ctypes.c_float]
         attend.argtypes += [_INT]
         attend.restype = _INT
         self._attend = attend
-        prefill = self._lib.asymspec_prefill_bf16
+        prefill = self.library.asymspec_prefill_bf16
         prefill.argtypes, prefill.restype = attend.argtypes, _INT
         self._prefill = prefill
-        self._lib.asymspec_attention_uses_amx.restype = _INT
-        self._lib.asymspec_prefill_max_head_dim.restype = _INT
+        self.library.asymspec_attention_uses_amx.restype = _INT
+        self.library.asymspec_prefill_max_head_dim.restype = _INT
         # the kernel's own limit (its query block's chunks fill four tiles)
-        self.prefill_max_head_dim = int(self._lib.asymspec_prefill_max_head_dim())
-        self._lib.asymspec_attention_allow_amx.argtypes = [_INT]
+        self.prefill_max_head_dim = int(self.library.asymspec_prefill_max_head_dim())
+        self.library.asymspec_attention_allow_amx.argtypes = [_INT]
         log.info("native attention: scores on %s", "AMX tiles" if self.uses_amx else "AVX512-BF16")
 
     @property
     def uses_amx(self) -> bool:
         """Whether the scores go through AMX tiles (compiled for them and allowed by the
         kernel); otherwise AVX512-BF16 dot products."""
-        return bool(self._lib.asymspec_attention_uses_amx())
+        return bool(self.library.asymspec_attention_uses_amx())
 
     def prefills(self, head_dim: int) -> bool:
         """Whether ``prefill`` runs here for heads of ``head_dim`` (it needs AMX tiles and
@@ -113,7 +113,7 @@ class NativeAttention:
 
     def allow_amx(self, allow: bool) -> None:
         """Tests: the AVX512-BF16 path on a machine that has AMX (False), or back."""
-        self._lib.asymspec_attention_allow_amx(int(allow))
+        self.library.asymspec_attention_allow_amx(int(allow))
 
     @classmethod
     def for_engine(

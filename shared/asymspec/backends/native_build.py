@@ -1,5 +1,5 @@
 """Building the engine's native C kernels (``native_attention.c``, ``native_linear.c``,
-``native_pointwise.c``).
+``native_pointwise.c``) and the loop that drives them (``native_layers.c``).
 
 Each kernel is compiled on first use with the machine's C compiler (``-march=native``: the
 machine that runs it builds it), cached by source, flags, compiler and CPU, and loaded with
@@ -64,6 +64,11 @@ class NativeKernelSettings(BaseSettings):
         KernelUse.AUTO,
         description="The native fused pointwise work of a layer (norms, rotary, SiLU): "
         "auto, on or off.",
+    )
+    native_layers: KernelUse = Field(
+        KernelUse.AUTO,
+        description="A forward's decoder layers in one native call, where the linear, "
+        "pointwise and attention kernels are all native: auto, on or off.",
     )
     kernel_cache: Path = Field(
         Path.home() / ".cache" / "asymspec" / "kernels",

@@ -57,14 +57,14 @@ class NativeLinear:
     """The loaded kernel. Stateless; any thread may call it."""
 
     def __init__(self, library: Path) -> None:
-        self._lib = ctypes.CDLL(str(library))  # after torch: it binds to torch's libgomp
-        self._lib.asymspec_linear_uses_amx.restype = ctypes.c_int
-        if not self._lib.asymspec_linear_uses_amx():
+        self.library = ctypes.CDLL(str(library))  # after torch: it binds to torch's libgomp
+        self.library.asymspec_linear_uses_amx.restype = ctypes.c_int
+        if not self.library.asymspec_linear_uses_amx():
             raise KernelUnavailable(
                 "the kernel may not use AMX tiles here (not built for "
                 "them, or the OS refused tile data)"
             )
-        run = self._lib.asymspec_linear_bf16
+        run = self.library.asymspec_linear_bf16
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         run.argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
         run.restype = ctypes.c_int

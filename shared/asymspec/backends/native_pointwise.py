@@ -50,7 +50,7 @@ class NativePointwise:
         lib.asymspec_silu_mul.argtypes = [p, i64, i64, p, i32]
         for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
             getattr(lib, f"asymspec_{name}").restype = None
-        self._lib = lib
+        self.library = lib
 
     @classmethod
     def for_engine(
@@ -74,7 +74,7 @@ class NativePointwise:
         self._check(x, weight)
         out = torch.empty_like(x)
         rows, width = x.shape
-        self._lib.asymspec_rms_norm(
+        self.library.asymspec_rms_norm(
             _ptr(x), rows, width, _ptr(weight), eps, _ptr(out), torch.get_num_threads()
         )
         return out
@@ -89,7 +89,7 @@ class NativePointwise:
             raise ValueError(f"delta {tuple(delta.shape)} for x {tuple(x.shape)}")
         rows, width = x.shape
         out = None if weight is None else torch.empty_like(x)
-        self._lib.asymspec_add_rms_norm(
+        self.library.asymspec_add_rms_norm(
             _ptr(x),
             _ptr(delta),
             rows,
@@ -110,14 +110,14 @@ class NativePointwise:
             raise ValueError("qk must be bf16 with contiguous heads")
         if cos.shape != (rows, dim) or sin.shape != (rows, dim):
             raise ValueError("cos and sin must be [T, D]")
-        self._lib.asymspec_rotary(_ptr(qk), rows, qk.stride(0), heads, dim, _ptr(cos), _ptr(sin))
+        self.library.asymspec_rotary(_ptr(qk), rows, qk.stride(0), heads, dim, _ptr(cos), _ptr(sin))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up for gate_up [T, 2 I] laid out [gate | up]; [T, I]."""
         self._check(gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty((rows, width // 2))
-        self._lib.asymspec_silu_mul(
+        self.library.asymspec_silu_mul(
             _ptr(gate_up), rows, width // 2, _ptr(out), torch.get_num_threads()
         )
         return out
