@@ -146,13 +146,14 @@ def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode:
 
 
 def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> None:
-    """Above its batch limit (1 here) a request lets the cloud decode it alone, 16 tokens
-    at a time, and speculates again once alone: of three concurrent greedy requests of
-    different lengths the longest goes both ways, and each equals target-only's output."""
+    """Above its batch limit (1 here) a request lets the cloud decode it alone, up to 64
+    tokens at a time (``GENERATE_CHUNK_TOKENS``), and speculates again once alone: of three
+    concurrent greedy requests of different lengths the longest goes both ways, and each
+    equals target-only's output."""
     edge = edges["asymspec-paused"]
     bodies = [
         {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-        for prompt, n in (("def add(a, b):", 12), ("The quick brown", 24), (PROMPT_IDS, 56))
+        for prompt, n in (("def add(a, b):", 12), ("The quick brown", 24), (PROMPT_IDS, 100))
     ]
     expected = [complete(edges["target-only"], **body)["choices"][0]["text"] for body in bodies]
     names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
