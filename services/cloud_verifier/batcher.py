@@ -42,6 +42,7 @@ from asymspec.backends.target import (
     ScoreRequest,
     StepRequest,
     TargetModel,
+    fed_keys,
     fed_rows,
 )
 from asymspec.model_thread import ModelThread
@@ -335,7 +336,10 @@ class Batcher:
         costs the long one a round's few rows), the oldest among equals."""
         order = sorted(self._prefilling, key=lambda p: p.total - p.done)  # stable
         rests = [prefill.total - prefill.done for prefill in order]
-        taken = self.prefill_budget.plan(rests, self.cost, work_rows, self.target.padded_rows)
+        dones = [prefill.done for prefill in order]
+        taken = self.prefill_budget.plan(
+            rests, self.cost, work_rows, self.target.padded_rows, dones
+        )
         return [  # (a prompt with nothing left to prefill gets its empty chunk: it resolves)
             _Chunk(prefill, prefill.done, prefill.done + take)
             for prefill, rest, take in zip(order, rests, taken, strict=True)
@@ -435,9 +439,10 @@ class Batcher:
             s = job.session
             pending = s.pending_tokens(self.target.length(s.key))
             steps.append(StepRequest(s.key, pending, s.params, s.generator))
+        keys = fed_keys(prefills, scores, steps, self.target.length)  # (before it runs)
         started = time.perf_counter()
         done = self.target.round(prefills, scores, steps)
-        self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started)
+        self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started, keys)
         kind = "verify" if scores else "decode" if steps else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         for (_, session), features in zip(starting, done.prefill_features, strict=True):

@@ -15,8 +15,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from asymspec.backends.target import attended_keys
+
 # Below this spread of recent row counts (rows², weighted variance) the slope is noise.
 _MIN_ROWS_VARIANCE = 1.0
+# Rows and attended keys tell their costs apart only where they did not move together: the
+# squared correlation of the recent forwards' rows and keys must stay under this.
+_MAX_ROWS_KEYS_R2 = 0.95
 
 
 @dataclass(slots=True)
@@ -34,14 +39,59 @@ class ForwardCost:
     _sum_s: float = 0.0
     _sum_rows2: float = 0.0
     _sum_rows_s: float = 0.0
+    # the attended keys (``attended_keys``) as a second regressor (``fit_with_keys``)
+    _sum_keys: float = 0.0
+    _sum_keys2: float = 0.0
+    _sum_rows_keys: float = 0.0
+    _sum_keys_s: float = 0.0
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, keys: int = 0) -> None:
+        """One forward: the rows it was fed, its seconds, and the keys its rows attended
+        (the sum of ``attended_keys`` over its sessions; 0 where not known)."""
         decay = 0.5 ** (1.0 / self.half_life_forwards)
         self._weight = self._weight * decay + 1.0
         self._sum_rows = self._sum_rows * decay + rows
         self._sum_s = self._sum_s * decay + seconds
         self._sum_rows2 = self._sum_rows2 * decay + rows * rows
         self._sum_rows_s = self._sum_rows_s * decay + rows * seconds
+        # (keys in thousands: squares of a few million keys stay well inside a float)
+        k = keys / 1000.0
+        self._sum_keys = self._sum_keys * decay + k
+        self._sum_keys2 = self._sum_keys2 * decay + k * k
+        self._sum_rows_keys = self._sum_rows_keys * decay + rows * k
+        self._sum_keys_s = self._sum_keys_s * decay + k * seconds
+
+    def fit_with_keys(self) -> tuple[float, float, float] | None:
+        """(base_s, per_row_s, per_key_s) of ``t = base + per_row × rows + per_key ×
+        keys``, or None where rows and keys did not vary apart enough to tell their costs
+        apart (a steady batch, one prompt's equal chunks) or a cost came out negative
+        (noise).
+
+        Why keys: a prompt row's attention reads every position before it. Beside a
+        one-row decode step on an AMX CPU (2 threads, 11.7 ms alone), 15 rows of a prompt
+        1,000 tokens in cost +60 %, where the rows-only fit, made mostly of decode and
+        verify rows that attend short prefixes, said a few percent
+        (``loadtest/results/prefill-keys/``)."""
+        w = self._weight
+        if w <= 0.0:
+            return None
+        mean_r, mean_k, mean_s = self._sum_rows / w, self._sum_keys / w, self._sum_s / w
+        var_r = self._sum_rows2 / w - mean_r * mean_r
+        var_k = self._sum_keys2 / w - mean_k * mean_k
+        cov_rk = self._sum_rows_keys / w - mean_r * mean_k
+        cov_rs = self._sum_rows_s / w - mean_r * mean_s
+        cov_ks = self._sum_keys_s / w - mean_k * mean_s
+        if var_r < _MIN_ROWS_VARIANCE or var_k <= 0.0:
+            return None
+        if cov_rk * cov_rk >= _MAX_ROWS_KEYS_R2 * var_r * var_k:
+            return None
+        det = var_r * var_k - cov_rk * cov_rk
+        per_row = (cov_rs * var_k - cov_ks * cov_rk) / det
+        per_key = (cov_ks * var_r - cov_rs * cov_rk) / det  # per thousand keys
+        base = mean_s - per_row * mean_r - per_key * mean_k
+        if per_row <= 0.0 or per_key <= 0.0 or base < 0.0:
+            return None
+        return base, per_row, per_key / 1000.0
 
     def identified_fit(self) -> tuple[float, float] | None:
         """``fit()`` only where the recent row counts varied enough to tell the base from
@@ -116,13 +166,15 @@ class PrefillBudget:
         cost: ForwardCost,
         work_rows: int,
         padded_rows: Callable[[int], int] | None = None,
+        dones: Sequence[int] | None = None,
     ) -> list[int]:
         """This round's rows for each prompt, given the tokens each has left in the order
         they are served (the batcher's: fewest left first). ``work_rows``: the verify and
         decode rows in the round or, where it has none, those due any moment (sessions
         between two blocks, or about to ask for their first), which its prefill must delay
         by no more than the share. ``padded_rows``: the rows a forward fed n positions
-        computes, where the engine pads them (None: exactly n)."""
+        computes, where the engine pads them (None: exactly n). ``dones``: the tokens each
+        prompt has in the cache already, which its chunk's rows attend (None: unknown)."""
         taken = [0] * len(rests)
         whole_rows = 0
         for i, rest in enumerate(rests):
@@ -130,9 +182,12 @@ class PrefillBudget:
                 continue
             taken[i] = rest
             whole_rows += rest
-        chunk_rows = self.rows(cost, work_rows, padded_rows)
+        chunked = [i for i in range(len(rests)) if taken[i] == 0 and rests[i] > 0]
+        prefix = None if dones is None or not chunked else dones[chunked[0]]
+        chunk_rows = self.rows(cost, work_rows, padded_rows, prefix)
         if work_rows == 0 and whole_rows > 0:  # the whole prompts are the work it is beside
-            chunk_rows = min(chunk_rows, whole_rows + self.rows(cost, whole_rows, padded_rows))
+            beside = self.rows(cost, whole_rows, padded_rows, prefix)
+            chunk_rows = min(chunk_rows, whole_rows + beside)
         used = whole_rows  # the whole prompts take their rows of the chunk
         for i in range(len(rests)):
             if taken[i] == 0 and rests[i] > 0:
@@ -141,10 +196,17 @@ class PrefillBudget:
         return taken
 
     def rows(
-        self, cost: ForwardCost, work_rows: int, padded_rows: Callable[[int], int] | None = None
+        self,
+        cost: ForwardCost,
+        work_rows: int,
+        padded_rows: Callable[[int], int] | None = None,
+        prefix: int | None = None,
     ) -> int:
         """The chunk rows a round may prefill beside ``work_rows`` rows of verify and
-        decode work (the time limits; whole short prompts come on top)."""
+        decode work (the time limits; whole short prompts come on top). ``prefix``: the
+        positions cached before the chunk, which its rows attend: where the forward cost
+        tells attended keys apart (``ForwardCost.fit_with_keys``), beside work each row
+        costs its keys too (None: rows alone)."""
         fitted = cost.fit()
         alone = work_rows == 0
         cap = self.chunk_tokens if alone else min(self.chunk_tokens_shared, self.chunk_tokens)
@@ -160,9 +222,20 @@ class PrefillBudget:
         budget_rows = self.share * (base_s / per_row_s + work_rows)  # in rows at the slope
         if math.isinf(budget_rows):
             return cap
+        with_keys = None if prefix is None else cost.fit_with_keys()
+
+        def added_rows(take: int) -> float:
+            """What ``take`` prompt rows add to the round, in rows at the slope: each row,
+            the rows the padded frame grows by, and (where known) the keys they attend."""
+            rows = take
+            if padded_rows is not None:
+                rows += padded_rows(work_rows + take) - padded_rows(work_rows)
+            if with_keys is None or prefix is None:
+                return rows
+            _, row_s, key_s = with_keys
+            return (rows * row_s + attended_keys(prefix, take) * key_s) / per_row_s
+
         take = min(cap, math.floor(budget_rows + 1e-9))
-        if padded_rows is not None:  # and the rows the padded frame grows by
-            frame = padded_rows(work_rows)
-            while take > 1 and take + padded_rows(work_rows + take) - frame > budget_rows + 1e-9:
-                take -= 1
+        while take > 1 and added_rows(take) > budget_rows + 1e-9:
+            take -= 1
         return max(1, take)

@@ -12,6 +12,8 @@ from asymspec.backends.target import (
     ScoreRequest,
     StepRequest,
     TargetModel,
+    attended_keys,
+    fed_keys,
     fed_rows,
 )
 from asymspec.sampling import SamplingParams, sample, transform
@@ -128,3 +130,9 @@ def test_a_round_feeds_every_prefill_verify_and_decode_position() -> None:
     steps = [StepRequest("c", [3, 4], greedy, torch.Generator())]
     assert fed_rows(prefills, scores, steps) == 7 + 5 + 2
     assert fed_rows([], [], []) == 0
+    # the keys those rows attend: the prompt's 7 rows after 100 cached positions see
+    # 101 .. 107, the block's 5 after 20 see 21 .. 25, the step's 2 after 9 see 10 and 11
+    lengths = {"a": 100, "b": 20, "c": 9}
+    assert fed_keys(prefills, scores, steps, lengths.__getitem__) == 728 + 115 + 21
+    assert attended_keys(0, 1) == 1 and attended_keys(0, 0) == 0
+    assert fed_keys([], [], [], lengths.__getitem__) == 0

@@ -161,3 +161,56 @@ def test_plan_without_whole_prompts_shares_the_chunk() -> None:
     assert budget.plan([20, 300], ForwardCost(), work_rows=0) == [20, 44]
     assert budget.plan([20, 300], ForwardCost(), work_rows=2) == [8, 0]
     assert budget.plan([0, 300], ForwardCost(), work_rows=2) == [0, 8]
+
+
+def keyed_cost(base: float, row_s: float, key_s: float) -> ForwardCost:
+    """Forwards whose rows and attended keys vary apart (decode steps at short and long
+    prefixes, prompt chunks), timed exactly by base + row_s rows + key_s keys."""
+    cost = ForwardCost()
+    for rows, keys in ((1, 100), (16, 2_000), (1, 1_500), (32, 40_000), (8, 800), (64, 3_000)):
+        cost.observe(rows, base + row_s * rows + key_s * keys, keys)
+    return cost
+
+
+def test_rows_and_keys_that_vary_apart_give_both_costs() -> None:
+    fitted = keyed_cost(0.010, 0.0005, 2e-7).fit_with_keys()
+    assert fitted == pytest.approx((0.010, 0.0005, 2e-7), rel=1e-6)
+
+
+def test_keys_are_not_told_apart_from_rows_that_move_with_them() -> None:
+    """A steady batch whose rows each attend ~500 keys: keys are rows times 500, so the
+    split between them is arbitrary; no keyed fit (and none without keys measured)."""
+    cost = ForwardCost()
+    for rows in (1, 16, 4, 32) * 3:
+        cost.observe(rows, 0.01 + 0.001 * rows, 500 * rows)
+    assert cost.fit() is not None and cost.fit_with_keys() is None
+    assert cost_of((10, 0.040), (20, 0.050)).fit_with_keys() is None
+
+
+def test_a_keyed_fit_with_a_negative_cost_is_noise() -> None:
+    assert keyed_cost(0.010, 0.0005, -2e-7).fit_with_keys() is None
+    assert keyed_cost(0.010, -0.0005, 2e-7).fit_with_keys() is None
+
+
+def test_budget_beside_work_counts_the_keys_a_chunk_attends() -> None:
+    """Beside a decode step a prompt's rows cost their attention over what is cached
+    before them: deep into a long prompt fewer rows fit the share than at its start, and
+    with no prefix given (or no keyed fit) the rows alone count, as before."""
+    cost = keyed_cost(0.010, 0.0005, 2e-7)
+    base_s, row_s = cost.fit() or (0.0, 0.0)
+    budget = PrefillBudget(chunk_tokens=256, chunk_tokens_shared=64, share=0.3)
+    budget_s = 0.3 * (base_s + row_s * 1)
+    rows_only = budget.rows(cost, work_rows=1)
+    assert rows_only == budget.rows(cost, work_rows=1, prefix=None)
+    at_start = budget.rows(cost, work_rows=1, prefix=0)
+    deep = budget.rows(cost, work_rows=1, prefix=2_000)
+    assert 1 <= deep < at_start
+
+    def added_s(rows: int, prefix: int) -> float:
+        return 0.0005 * rows + 2e-7 * (rows * prefix + rows * (rows + 1) // 2)
+
+    for take, prefix in ((deep, 2_000), (at_start, 0)):  # the most that fit the share
+        assert added_s(take, prefix) <= budget_s + 1e-12
+        assert take == 64 or added_s(take + 1, prefix) > budget_s
+    plan = budget.plan([5_000], cost, work_rows=1, dones=[2_000])
+    assert plan == [deep]

@@ -67,6 +67,26 @@ def fed_rows(
     return fed + sum(len(r.pending_tokens) for r in steps)
 
 
+def attended_keys(length: int, new: int) -> int:
+    """The keys ``new`` rows attend after ``length`` cached positions: row i sees
+    length + i + 1 positions (itself included), what its attention's cost grows with."""
+    return new * length + new * (new + 1) // 2
+
+
+def fed_keys(
+    prefills: Sequence[PrefillChunk],
+    scores: Sequence[ScoreRequest],
+    steps: Sequence[StepRequest],
+    length: Callable[[str], int],
+) -> int:
+    """The keys one `TargetModel.round`'s rows attend (its attention's cost grows with
+    them), given each session's cached ``length`` before the round."""
+    news = [(c.session_id, len(c.token_ids)) for c in prefills]
+    news += [(r.session_id, len(r.new_tokens)) for r in scores]
+    news += [(r.session_id, len(r.pending_tokens)) for r in steps]
+    return sum(attended_keys(length(sid), n) for sid, n in news)
+
+
 class TargetModel:
     """Owns the target LM's per-session caches; one forward per batch of blocks."""
 
