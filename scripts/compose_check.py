@@ -289,8 +289,8 @@ def check_health() -> str:
 def check_engines() -> str:
     """Both services' engines, as they logged them at start-up. On a CPU with AVX512-BF16
     each must have compiled its native attention kernel in its container (gcc is in the
-    images for that), and on one with AMX its native linear kernel too; elsewhere they keep
-    torch's attention and oneDNN's products."""
+    images for that), and on one with AMX its native linear kernel and the native layer
+    loop too; elsewhere they keep torch's attention and oneDNN's products."""
     logs = sh(compose("logs", "--no-color", "cloud-verifier", "edge-gateway"))
     engines = [
         line.split("LlamaEngine: ", 1)[1] for line in logs.splitlines() if "layers, " in line
@@ -298,10 +298,12 @@ def check_engines() -> str:
     if len(engines) != 2:
         raise RuntimeError(f"expected one LlamaEngine line per service, got {engines}")
     cpuinfo = Path("/proc/cpuinfo").read_text()
-    if "avx512_bf16" in cpuinfo and not all(line.endswith("native attention") for line in engines):
+    if "avx512_bf16" in cpuinfo and not all("native attention" in line for line in engines):
         raise RuntimeError(f"an engine runs without its native attention kernel: {engines}")
     if "amx_bf16" in cpuinfo and not all("(native kernel) weights" in line for line in engines):
         raise RuntimeError(f"an engine runs without its native linear kernel: {engines}")
+    if "amx_bf16" in cpuinfo and not all("layers driven from C" in line for line in engines):
+        raise RuntimeError(f"an engine runs without its native layer loop: {engines}")
     return "; ".join(engines)
 
 
