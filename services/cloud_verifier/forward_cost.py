@@ -6,7 +6,9 @@ cost is its weight pass and 32 extra rows ride nearly free; on an AVX2 CPU the s
 triple a 16-session decode step. So the cost is fitted online, ``t(rows) = base + per_row ×
 rows``, by exponentially weighted least squares over the recent forwards (their row counts
 vary on their own: blocks of different γ, decode steps, prefill chunks), and the batcher
-asks it how many rows fit in a time budget.
+asks it how many rows fit in a time budget. Beside that line it fits the keys the rows
+attend as a second regressor (``fit_with_keys``): a prompt row deep into a long prompt
+reads every position before it, which the rows alone do not show.
 """
 
 from __future__ import annotations

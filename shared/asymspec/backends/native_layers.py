@@ -151,14 +151,13 @@ class NativeLayers:
         run.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
         run.restype = ctypes.c_int
         self._run = run
-        prefill = _address(attention.library, "asymspec_prefill_bf16")
         self._kernels = _Kernels(
             _address(linear.library, "asymspec_linear_bf16"),
             _address(pointwise.library, "asymspec_add_rms_norm"),
             _address(pointwise.library, "asymspec_rotary"),
             _address(pointwise.library, "asymspec_silu_mul"),
             _address(attention.library, "asymspec_attend_bf16"),
-            prefill,
+            _address(attention.library, "asymspec_prefill_bf16"),
         )
         self._layers: ctypes.Array[_LayerWeights] | None = None
         self._keep: list[torch.Tensor] = []  # the tensors whose pointers _layers holds
