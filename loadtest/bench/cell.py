@@ -50,10 +50,16 @@ class CellPlan:
     # Both services' ASYMSPEC_*_DTYPE. auto: the benchmark measures the default engine (bf16
     # where the CPU has it); float32 is the exact mode, where greedy output equals the target's.
     dtype: str = "auto"
+    goodput_pause: bool = False  # the edge's; off: every speculative mode speculates throughout
 
 
 def service_envs(
-    bed: Testbed, mode: str, pair: ModelPair, secret: str, dtype: str = "auto"
+    bed: Testbed,
+    mode: str,
+    pair: ModelPair,
+    secret: str,
+    dtype: str = "auto",
+    goodput_pause: bool = False,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(cloud env, edge env) for one cell, from the tests' helpers plus the testbed's addresses."""
     cloud_ip = bed.layout.address("cloud")
@@ -68,6 +74,7 @@ def service_envs(
         "cloud_url": f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel",
         "shared_secret": secret,
         "dtype": dtype,
+        "goodput_pause": "true" if goodput_pause else "false",
     }
     if pair.max_model_len is not None:
         extra["max_model_len"] = str(pair.max_model_len)
@@ -105,7 +112,7 @@ def run_cell(
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     needs_cloud = get_mode(plan.mode).needs_cloud
     cloud_env_, edge_env_ = service_envs(
-        bed, plan.mode, plan.pair, secrets.token_urlsafe(16), plan.dtype
+        bed, plan.mode, plan.pair, secrets.token_urlsafe(16), plan.dtype, plan.goodput_pause
     )
     spec = {
         **plan.driver_spec,

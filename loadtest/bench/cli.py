@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="request i gets seed + i")
     add("--rate-check-s", type=float, default=3.0, help="rate check per direction/profile")
     add("--cell-timeout-s", type=float, default=1800.0)
+    add(
+        "--goodput-pause",
+        action="store_true",
+        help="leave the edge's goodput pause on, as a user gets it (default: off, so every "
+        "speculative mode speculates throughout and the table compares mechanisms)",
+    )
     add("--out", type=Path, default=None, help="default: loadtest/results/<models>-<time>")
     return parser
 
@@ -62,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         rate_check_s=args.rate_check_s,
         cell_timeout_s=args.cell_timeout_s,
+        goodput_pause=args.goodput_pause,
     )
 
 

@@ -47,6 +47,9 @@ class BenchConfig:
     seed: int = 0
     rate_check_s: float = 3.0  # per direction and profile
     cell_timeout_s: float = 1800.0  # one (mode, profile) cell, start-up included
+    # The edge's goodput pause (speculation paused where the cloud decoding alone gives
+    # more). Off: the table compares the modes' mechanisms, each speculating throughout.
+    goodput_pause: bool = False
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]

@@ -119,7 +119,10 @@ class Run:
         bar: tqdm,
     ) -> dict[str, Any]:
         name = f"{profile}-{mode}"
-        plan = CellPlan(mode, pair, spec, self.logs, name, self.config.cell_timeout_s)
+        plan = CellPlan(
+            mode, pair, spec, self.logs, name, self.config.cell_timeout_s,
+            goodput_pause=self.config.goodput_pause,
+        )  # fmt: skip
         done = bar.n
 
         def on_event(event: dict[str, Any]) -> None:

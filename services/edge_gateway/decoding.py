@@ -139,7 +139,20 @@ class SpeculativeEngine:
         self.cloud, self.metrics = cloud, metrics
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
-        self.goodput_gamma = GoodputDraftLength(settings.max_num_draft_tokens)
+        self.goodput_gamma = GoodputDraftLength(
+            settings.max_num_draft_tokens, pipelined=mode.pipelines
+        )
+
+    def speculates(self) -> bool:
+        """Whether a request drafts its next block now, or lets the cloud decode for it:
+        the batch limit (``speculative_disable_by_batch_size``), then the goodput rule's
+        pause where it applies."""
+        settings, batch = self.settings, self.scheduler.active
+        if not settings.speculates_at(batch):
+            return False
+        if settings.goodput_pause and settings.draft_length.maximises_goodput:
+            return not self.mode.pipelines or self.goodput_gamma.speculation_pays(batch)
+        return True
 
     def open_message(
         self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
@@ -302,11 +315,11 @@ class _RequestState:
                 await self._reopen()  # the cloud restarted between two of our frames
 
     async def _next_tokens(self, remaining: int) -> AsyncGenerator[list[int], None]:
-        """One block's tokens, or, while speculation is paused (the edge's batch is above
-        ``speculative_disable_by_batch_size``), up to `GENERATE_CHUNK_TOKENS` the cloud
-        decodes alone, as they come."""
+        """One block's tokens, or, while speculation is paused (``SpeculativeEngine.
+        speculates``), up to `GENERATE_CHUNK_TOKENS` the cloud decodes alone, as they
+        come."""
         engine = self.engine
-        if self.next_draft is None and not engine.settings.speculates_at(engine.scheduler.active):
+        if self.next_draft is None and not engine.speculates():
             decoded = self._cloud_decoded(min(GENERATE_CHUNK_TOKENS, remaining))
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:

@@ -1,5 +1,6 @@
 """γ for goodput: the draft length that maximises expected tokens per second of a block
-cycle, from what this edge measures and what the verifier says its forwards cost.
+cycle, from what this edge measures and what the verifier says its forwards cost, and
+whether speculating beats letting the cloud decode alone at all.
 
 Whether drafting more tokens per block pays depends on the machine by an order of
 magnitude. On a GPU or an AMX CPU a verify row rides nearly free, so long blocks win. On a
@@ -12,19 +13,34 @@ the cost split between the two machines:
 
 - expected tokens of a block of γ, per-token acceptance α (i.i.d.): ``E(γ) = Σ_{i=0..γ} α^i``
   (the accepted drafts and the bonus or recovered token);
-- the verifier's time for a round of this edge's ``B`` open requests, each sending a
-  block: ``base + row × B (γ + 1)`` (``TargetCost``, the verifier's own online fit);
+- the verifier's time for a round of ``n`` blocks: ``base + row × n (γ + 1)``
+  (``TargetCost``, the verifier's own online fit);
 - the edge's drafting: ``draft_s × γ`` per block (measured per draft token);
-- one request alone waits for both in turn; several overlap drafting with verifying,
-  so the cycle is the longer of the two.
+- one request alone waits for both in turn;
+- several in the confirmed-prefix pipeline (``pipelined``) settle into two groups that
+  take turns: while one group's blocks are verified the other's are drafted, and the
+  cloud takes whatever has arrived when its round ends, which is the other group. So each
+  request waits for two rounds of half the batch (or for its group's round and its
+  drafting, where drafting is the longer). Measured on a 2-core AMX Xeon, one core each,
+  16 chats: ~7 blocks a round, each request verified every other round
+  (``loadtest/results/full-20261206-layers/``, ``../goodput-pause/``);
+- several in synchronous rounds overlap drafting with verifying as well as they can: the
+  longer of the two.
+
+SmartSpec's γ = 0 is the pause (``speculation_pays``): the cloud decoding a request alone,
+one token in each of its rounds of ``base + row × batch``, against the best γ's tokens per
+cycle. With per-token acceptance α ≈ 0.45 (the embedded draft), E(γ) stays under 2, so in
+the pipeline a batch's two rounds per block deliver fewer tokens than two decode steps:
+asymspec made 0.78-0.89× target-only at 16 chats on that machine, and paused about 1.0×.
 
 α and the draft's time per token are exponentially weighted over recent blocks of every
 request on this edge; until the verifier has sent a cost and a few blocks have been seen,
-the configured γ stands.
+the configured γ stands and speculation goes on.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from asymspec.wire import TargetCost
@@ -39,6 +55,7 @@ class GoodputDraftLength:
 
     max_gamma: int
     half_life_blocks: float = 64.0
+    pipelined: bool = False  # the confirmed-prefix pipeline: batches verify in two groups
     target_cost: TargetCost | None = None  # the latest a verifier sent (SessionOpened)
     _blocks: float = 0.0
     _accepted: float = 0.0
@@ -71,17 +88,38 @@ class GoodputDraftLength:
     def choose(self, open_requests: int, fallback: int) -> int:
         """γ in 1 .. max_gamma with the most expected tokens per second of a cycle for
         ``open_requests`` decoding at once; ``fallback`` while anything is unknown."""
+        rates = self._rates(max(1, open_requests))
+        if rates is None:
+            return fallback
+        return max(range(1, self.max_gamma + 1), key=lambda gamma: rates[gamma - 1])
+
+    def speculation_pays(self, open_requests: int) -> bool:
+        """Whether the best γ's expected tokens per second for a request beat the cloud
+        decoding it alone in rounds of ``open_requests`` (SmartSpec's γ = 0); True while
+        anything is unknown."""
+        batch = max(1, open_requests)
+        rates, cost = self._rates(batch), self.target_cost
+        if rates is None or cost is None:
+            return True
+        decode_s = cost.base_s + cost.row_s * batch
+        return max(rates) * decode_s >= 1.0
+
+    def _rates(self, batch: int) -> list[float] | None:
+        """Expected tokens per second of one request for γ = 1 .. max_gamma, or None."""
         alpha, draft_s, cost = self.acceptance, self.draft_s_per_token, self.target_cost
         if alpha is None or draft_s is None or cost is None:
-            return fallback
-        batch = max(1, open_requests)
-        best, best_rate = fallback, -1.0
+            return None
+        rates = []
         for gamma in range(1, self.max_gamma + 1):
             tokens = sum(alpha**i for i in range(gamma + 1))
-            verify_s = cost.base_s + cost.row_s * batch * (gamma + 1)
             drafting_s = draft_s * gamma
-            cycle_s = verify_s + drafting_s if batch == 1 else max(verify_s, drafting_s)
-            rate = tokens / cycle_s if cycle_s > 0.0 else float("inf")
-            if rate > best_rate:
-                best, best_rate = gamma, rate
-        return best
+            if batch == 1:
+                cycle_s = cost.base_s + cost.row_s * (gamma + 1) + drafting_s
+            elif self.pipelined:  # two groups take turns at the verifier
+                group = math.ceil(batch / 2)
+                verify_s = cost.base_s + cost.row_s * group * (gamma + 1)
+                cycle_s = verify_s + max(verify_s, drafting_s)
+            else:
+                cycle_s = max(cost.base_s + cost.row_s * batch * (gamma + 1), drafting_s)
+            rates.append(tokens / cycle_s if cycle_s > 0.0 else math.inf)
+        return rates

@@ -266,7 +266,8 @@ class EdgeMetrics:
             cloud_decoded_tokens=f.counter(
                 "asymspec_cloud_decoded_tokens_total",
                 "Tokens of speculative requests the cloud decoded alone while speculation "
-                "was paused (the batch above speculative_disable_by_batch_size).",
+                "was paused (the batch above speculative_disable_by_batch_size, or the goodput "
+                "rule's pause).",
             ),
             cloud_connected=f.gauge(
                 "asymspec_cloud_connected",

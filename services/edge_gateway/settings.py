@@ -107,6 +107,13 @@ class EdgeSettings(RuntimeSettings):
     max_num_draft_tokens: int = Field(
         8, ge=1, le=16, description="Upper bound of an adaptive or goodput γ."
     )
+    goodput_pause: bool = Field(
+        True,
+        description="With goodput γ in a pipelined mode: speculation pauses while the same "
+        "model says the cloud decoding alone gives a request more tokens per second than "
+        "the best γ (SmartSpec's γ = 0; edge_gateway.draft_length), as it does above "
+        "speculative_disable_by_batch_size.",
+    )
     fidelity_budget: float = Field(
         0.0, ge=0.0, le=1.0, description="Default ε_req per request; 0 = every correction exact."
     )

@@ -66,6 +66,12 @@ class Mode:
         return self.scheduling == "runahead"
 
     @property
+    def pipelines(self) -> bool:
+        """The confirmed-prefix pipeline: a request drafts as soon as its verdict is back,
+        while other requests' blocks are verified."""
+        return self.scheduling == "pipeline"
+
+    @property
     def drafts_in_rounds(self) -> bool:
         """Synchronous rounds: draft every active request, send, wait for all results."""
         return self.scheduling in ("sync", "runahead")

@@ -8,6 +8,7 @@ import pytest
 from asymspec.sampling import residual
 from asymspec.testbed import Testbed, TestbedLayout
 from loadtest.bench.cell import service_envs
+from loadtest.bench.cli import build_parser, config_from_args
 from loadtest.bench.config import ModelPair
 from scripts.fidelity_experiment import fidelity_at_k
 from scripts.spade_calibrate import choose_gamma, exact_match_rate
@@ -65,3 +66,17 @@ def test_a_cell_runs_both_services_in_its_dtype(dtype: str) -> None:
     pair = ModelPair("embedded", "target-folder", "draft-folder")
     cloud, edge = service_envs(bed, "asymspec", pair, "a-secret-of-some-length", dtype)
     assert cloud["ASYMSPEC_CLOUD_DTYPE"] == edge["ASYMSPEC_EDGE_DTYPE"] == dtype
+
+
+def test_cells_compare_mechanisms_unless_asked_for_the_goodput_pause() -> None:
+    """The table's speculative modes speculate throughout; --goodput-pause measures what a
+    user gets (the edge's default)."""
+    bed = Testbed(TestbedLayout.new())
+    pair = ModelPair("embedded", "target-folder", "draft-folder")
+    _, edge = service_envs(bed, "asymspec", pair, "a-secret-of-some-length")
+    assert edge["ASYMSPEC_EDGE_GOODPUT_PAUSE"] == "false"
+    _, edge = service_envs(bed, "asymspec", pair, "a-secret-of-some-length", goodput_pause=True)
+    assert edge["ASYMSPEC_EDGE_GOODPUT_PAUSE"] == "true"
+    args = build_parser().parse_args(["--goodput-pause"])
+    assert config_from_args(args).goodput_pause
+    assert not config_from_args(build_parser().parse_args([])).goodput_pause

@@ -105,3 +105,65 @@ def test_speculation_pauses_above_the_batch_limit(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("ASYMSPEC_EDGE_SPECULATIVE_DISABLE_BY_BATCH_SIZE")
     colocated = EdgeSettings(shared_secret="s" * 16)
     assert [colocated.speculates_at(b) for b in (1, 2, 16)] == [True, False, False]
+
+
+def test_the_pipeline_verifies_a_batch_in_two_groups() -> None:
+    """Pipelined, 16 chats take turns at the verifier in two groups of 8, so each request
+    waits for two rounds: 2 (0.035 + 0.0003 × 8 (γ + 1)) while that beats drafting."""
+    policy = seen(*[(4, 1)] * 4, *[(4, 2)] * 4, *[(4, 0)] * 2)  # α = 12 / 22
+    policy.pipelined = True
+    policy.target_cost = ROWS_NEARLY_FREE
+    # γ = 3: 2.0053 / (2 × 0.0446) = 22.48 tokens/s; γ = 4 2.0938 / 0.094 = 22.27; γ = 2
+    # 1.843 / 0.0844 = 21.84. (In one round of all 16, γ = 2 won: see above.)
+    assert policy.choose(open_requests=16, fallback=4) == 3
+    # Alone, nothing to take turns with: the same as unpipelined.
+    assert policy.choose(open_requests=1, fallback=4) == 2
+
+
+def test_drafting_longer_than_a_groups_round_sets_the_pipelines_cycle() -> None:
+    """A slow draft (40 ms a token) outlasts the other group's round: the cycle is one
+    group's round plus the drafting, 0.0362 + 0.04 at γ = 1 (1.5455 / 0.0762 = 20.3
+    tokens/s), where γ = 2 gives 1.843 / (0.0365 + 0.08) = 15.8."""
+    policy = seen(*[(4, 1)] * 4, *[(4, 2)] * 4, *[(4, 0)] * 2, draft_s_per_token=0.04)
+    policy.pipelined = True
+    policy.target_cost = ROWS_NEARLY_FREE
+    assert policy.choose(open_requests=2, fallback=4) == 1
+
+
+def test_speculation_pays_alone_and_not_in_a_pipelined_crowd() -> None:
+    """α = 12 / 22 with rows nearly free. Alone the best block gives 42.0 tokens/s against
+    1 / 0.0353 = 28.3 decoding; two chats in the pipeline 2.1684 / 0.0742 = 29.2 (γ = 6)
+    against 1 / 0.0356 = 28.1; sixteen 22.5 against 1 / 0.0398 = 25.1: the cloud decoding
+    alone gives more, so speculation pauses there."""
+    policy = seen(*[(4, 1)] * 4, *[(4, 2)] * 4, *[(4, 0)] * 2)
+    policy.pipelined = True
+    assert policy.speculation_pays(16)  # no cost from a verifier yet
+    policy.target_cost = ROWS_NEARLY_FREE
+    assert [policy.speculation_pays(b) for b in (1, 2, 16)] == [True, True, False]
+    # Synchronous rounds (not pipelined) verify all 16 at once: E(γ) / (0.035 + 0.0048 (γ
+    # + 1)) = 37.3 at γ = 2 against 25.1.
+    policy.pipelined = False
+    assert policy.speculation_pays(16)
+    # A draft that agrees 20 times in 21 pays in the pipelined crowd too.
+    good = seen(*[(4, 4)] * 20, (4, 3))
+    good.pipelined = True
+    good.target_cost = ROWS_NEARLY_FREE
+    assert good.speculation_pays(16)
+
+
+def test_rows_at_full_price_never_pay_for_a_crowd() -> None:
+    """Where the fit says a forward costs its rows alone, a block of γ + 1 rows costs γ + 1
+    decode steps for fewer than γ + 1 expected tokens (pipelined)."""
+    policy = seen(*[(4, 4)] * 20, (4, 3))
+    policy.pipelined = True
+    policy.target_cost = TargetCost(base_s=0.0, row_s=0.002)
+    assert not policy.speculation_pays(16)
+
+
+def test_the_goodput_pause_is_on_by_default_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ASYMSPEC_EDGE_GOODPUT_PAUSE", raising=False)
+    assert EdgeSettings(shared_secret="s" * 16).goodput_pause
+    monkeypatch.setenv("ASYMSPEC_EDGE_GOODPUT_PAUSE", "false")
+    assert not EdgeSettings(shared_secret="s" * 16).goodput_pause
