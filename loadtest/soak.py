@@ -161,6 +161,9 @@ def _start_services(bed: Testbed, models: tuple[str, str], secret: str, logs: Pa
         "ASYMSPEC_EDGE_TORCH_THREADS": "1",
         "ASYMSPEC_EDGE_SHARED_SECRET": secret,
         "ASYMSPEC_EDGE_CLOUD_URL": f"ws://{bed.layout.address('cloud')}:{CLOUD_PORT}/v1/channel",
+        # The soak holds the speculative path (blocks, corrections over the link) under
+        # load; the goodput pause would hand a crowd to the cloud's own decoding instead.
+        "ASYMSPEC_EDGE_GOODPUT_PAUSE": "false",
     }
     cloud_log, edge_log = (logs / "cloud.log").open("wb"), (logs / "edge.log").open("wb")
     cloud = bed.spawn("cloud", [sys.executable, "-m", "cloud_verifier"], cpu=1, env=cloud_env,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from asymspec.backends.hardware import machine_facts, resolve_dtype
 from asymspec.links import get_profile
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed
 from loadtest.bench.cell import CellFailed, CellPlan, run_cell
@@ -32,10 +33,17 @@ HEALTH_TIMEOUT_S = 600.0  # two model loads on a contended CPU
 
 
 def environment() -> dict[str, Any]:
+    facts = machine_facts()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cpu_model": facts["cpu_model"],
+        "cpu_bf16_flags": facts["cpu_bf16_flags"],
+        # what every cell's services run with (cell.py): one torch thread each, pinned, and
+        # the dtype "auto" resolves to on this CPU
+        "service_torch_threads": 1,
+        "service_dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch."),
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -31,7 +31,8 @@ SmartSpec's γ = 0 is the pause (``speculation_pays``): the cloud decoding a req
 one token in each of its rounds of ``base + row × batch``, against the best γ's tokens per
 cycle. With per-token acceptance α ≈ 0.45 (the embedded draft), E(γ) stays under 2, so in
 the pipeline a batch's two rounds per block deliver fewer tokens than two decode steps:
-asymspec made 0.78-0.89× target-only at 16 chats on that machine, and paused about 1.0×.
+asymspec made 0.82-1.01× target-only at 16 chats on that machine (median 0.89), and
+with the pause 0.90-1.10× (median 0.96).
 
 α and the draft's time per token are exponentially weighted over recent blocks of every
 request on this edge; until the verifier has sent a cost and a few blocks have been seen,

@@ -105,6 +105,9 @@ def edge_env(draft: Path, port: int, cloud_port: int, mode: str, **extra: str) -
         "ASYMSPEC_EDGE_CLOUD_URL": f"ws://127.0.0.1:{cloud_port}/v1/channel",
         "ASYMSPEC_EDGE_TORCH_THREADS": "1",
         "ASYMSPEC_EDGE_DTYPE": "float32",
+        # The tests check each mode's mechanism, so requests speculate throughout unless a
+        # test turns the goodput pause on (the product's default)
+        "ASYMSPEC_EDGE_GOODPUT_PAUSE": "false",
         **{f"ASYMSPEC_EDGE_{k.upper()}": v for k, v in extra.items()},
     }
 

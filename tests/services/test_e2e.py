@@ -52,6 +52,8 @@ VARIANTS = {
     "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
     # Speculation pauses while more than one request decodes: the cloud decodes them alone.
     "asymspec-paused": ("asymspec", {"speculative_disable_by_batch_size": "1"}),
+    # The product's default: speculation pauses where the goodput model says it loses.
+    "asymspec-goodput": ("asymspec", {"goodput_pause": "true"}),
 }
 # Edges whose draft is a feature draft of the tiny target (fed the target's hidden states).
 FEATURE_VARIANTS = {
@@ -169,6 +171,36 @@ def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> No
     assert asyncio.run(concurrently()) == expected
     decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
     assert decoded >= 16 and blocks >= 1, (decoded, blocks)
+
+
+def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, Service]) -> None:
+    """With the goodput pause on, once the edge has seen enough blocks and the verifier's
+    fitted cost, eight concurrent greedy requests let the cloud decode for them where the
+    model says speculation loses (the tiny pair's noisy draft, two groups taking turns):
+    some tokens come from the cloud's own decoding, some from blocks, and every output
+    equals target-only's."""
+    edge = edges["asymspec-goodput"]
+    bodies = [
+        {"prompt": [*PROMPT_IDS, 50 + i], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        for i in range(8)
+    ]
+    expected = [complete(edges["target-only"], **body)["choices"][0]["text"] for body in bodies]
+    names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
+    before = [metric_value(edge, name) for name in names]
+
+    async def concurrently() -> list[str]:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
+            )
+        return [r.json()["choices"][0]["text"] for r in replies]
+
+    for _ in range(3):  # the first round teaches the edge α and the cost
+        assert asyncio.run(concurrently()) == expected
+    decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
+    assert decoded >= 32 and blocks >= 8, (decoded, blocks)
+    # The same edge with the pause off speculates throughout (the other variants' default).
+    assert metric_value(edges["asymspec"], "asymspec_cloud_decoded_tokens_total") == 0
 
 
 # ---------------------------------------------------------------- distribution
