@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -147,6 +148,15 @@ def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode:
     assert usage is not None and usage["completion_tokens"] <= 20
 
 
+async def completed_together(edge: Service, bodies: list[dict[str, Any]]) -> list[str]:
+    """The texts of ``bodies`` sent to ``edge``'s completions route all at once."""
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+        replies = await asyncio.gather(
+            *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
+        )
+    return [r.json()["choices"][0]["text"] for r in replies]
+
+
 def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> None:
     """Above its batch limit (1 here) a request lets the cloud decode it alone, up to 64
     tokens at a time (``GENERATE_CHUNK_TOKENS``), and speculates again once alone: of three
@@ -161,14 +171,7 @@ def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> No
     names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
     before = [metric_value(edge, name) for name in names]
 
-    async def concurrently() -> list[str]:
-        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
-            replies = await asyncio.gather(
-                *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
-            )
-        return [r.json()["choices"][0]["text"] for r in replies]
-
-    assert asyncio.run(concurrently()) == expected
+    assert asyncio.run(completed_together(edge, bodies)) == expected
     decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
     assert decoded >= 16 and blocks >= 1, (decoded, blocks)
 
@@ -188,15 +191,8 @@ def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, S
     names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
     before = [metric_value(edge, name) for name in names]
 
-    async def concurrently() -> list[str]:
-        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
-            replies = await asyncio.gather(
-                *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
-            )
-        return [r.json()["choices"][0]["text"] for r in replies]
-
     for _ in range(3):  # the first round teaches the edge α and the cost
-        assert asyncio.run(concurrently()) == expected
+        assert asyncio.run(completed_together(edge, bodies)) == expected
     decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
     assert decoded >= 32 and blocks >= 8, (decoded, blocks)
     # The same edge with the pause off speculates throughout (the other variants' default).
