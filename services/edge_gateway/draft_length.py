@@ -23,15 +23,16 @@ the cost split between the two machines:
   request waits for two rounds of half the batch (or for its group's round and its
   drafting, where drafting is the longer). Measured on a 2-core AMX Xeon, one core each,
   16 chats: ~7 blocks a round, each request verified every other round
-  (``loadtest/results/full-20261206-layers/``, ``../goodput-pause/``);
+  (``loadtest/results/full-20261206-layers/`` and ``goodput-pause/``);
 - several in synchronous rounds overlap drafting with verifying as well as they can: the
   longer of the two.
 
 SmartSpec's γ = 0 is the pause (``speculation_pays``): the cloud decoding a request alone,
 one token in each of its rounds of ``base + row × batch``, against the best γ's tokens per
-cycle. With per-token acceptance α ≈ 0.45 (the embedded draft), E(γ) stays under 2, so in
-the pipeline a batch's two rounds per block deliver fewer tokens than two decode steps:
-asymspec made 0.82-1.01× target-only at 16 chats on that machine (median 0.89), and
+cycle. A round of half the batch costs a little more than a decode step of all of it
+where rows ride nearly free, so in the pipeline a block has to average somewhat more than
+two tokens to win. The embedded draft's average 1.8-2.2 on that machine, and there
+asymspec made 0.82-1.01× target-only at 16 chats (median 0.89), and
 with the pause 0.90-1.10× (median 0.96).
 
 α and the draft's time per token are exponentially weighted over recent blocks of every
