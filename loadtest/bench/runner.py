@@ -22,7 +22,7 @@ from tqdm import tqdm
 from asymspec.backends.hardware import machine_facts, resolve_dtype
 from asymspec.links import get_profile
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed
-from loadtest.bench.cell import CellFailed, CellPlan, run_cell
+from loadtest.bench.cell import CellFailed, CellPlan, run_cell, service_torch_threads
 from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
 from loadtest.bench.plots import write_plots
 from loadtest.bench.report import summarize_phase
@@ -40,9 +40,9 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_model": facts["cpu_model"],
         "cpu_bf16_flags": facts["cpu_bf16_flags"],
-        # what every cell's services run with (cell.py): one torch thread each, pinned, and
-        # the dtype "auto" resolves to on this CPU
-        "service_torch_threads": 1,
+        # what every cell's services run with (cell.py): their torch threads, each pinned
+        # to a core, and the dtype "auto" resolves to on this CPU
+        "service_torch_threads": service_torch_threads(),
         "service_dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch."),
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
