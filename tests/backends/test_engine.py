@@ -30,7 +30,9 @@ from asymspec.backends.hardware import (
     resolve_precision,
 )
 from asymspec.backends.llama import (
+    _CAPACITY_QUANTUM,
     _SMALL_BUCKETS_FROM,
+    _TORCH_KEY_QUANTUM,
     LlamaEngine,
     WeightLayout,
     _row_bucket,
@@ -401,6 +403,48 @@ def test_kv_slot_is_written_in_place_and_rollback_moves_a_length(
     lm.forward_new([("s", [1, 2])])
     after = lm._session("s").kv
     assert after is not None and after.data_ptr() == slot.data_ptr()  # no copy, no regrowth
+
+
+def test_torch_attention_over_padded_keys_equals_the_exact_length(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    """Where torch's flash attention compiles a kernel per shape, the engine pads the keys
+    it reads to a multiple of _TORCH_KEY_QUANTUM and masks the padding out: the rows are
+    those of the exact keys (float32 here, padding forced on), for one-token steps, blocks
+    and prompt chunks alike, and a session's key lengths come from a small set."""
+    exact = LlamaEngine(tiny_target_model, native_attention=False)
+    padded = LlamaEngine(tiny_target_model, native_attention=False)
+    exact.pads_torch_keys, padded.pads_torch_keys = False, True
+    sequences = [_tokens(70 + i, n) for i, n in enumerate((45, 90, 106, 171))]
+    for news in (1, 5, 40):
+        for lm in (exact, padded):
+            for i, seq in enumerate(sequences):
+                lm.open(f"s{i}-{news}", seq[: len(seq) - news])
+        batch = [(f"s{i}-{news}", seq[len(seq) - news :]) for i, seq in enumerate(sequences)]
+        want = exact.forward_new(batch)
+        got = padded.forward_new(batch)
+        for g, w, seq in zip(got, want, sequences, strict=True):
+            assert _max_diff(g, w) <= TOLERANCE
+            assert _max_diff(g, full_logits(tiny_target_model, seq)[-news:]) <= TOLERANCE
+    assert _CAPACITY_QUANTUM % _TORCH_KEY_QUANTUM == 0  # a slot holds its padded keys
+    lengths = {padded._torch_keys(total) for total in range(1, 1025)}
+    assert lengths == set(range(_TORCH_KEY_QUANTUM, 1025, _TORCH_KEY_QUANTUM))
+    assert all(padded._torch_keys(t) - _TORCH_KEY_QUANTUM < t for t in range(1, 1025))
+    assert exact._torch_keys(37) == 37
+
+
+def test_a_grown_kv_slot_holds_zeros_past_its_sessions_positions(
+    tiny_target_model: LlamaForCausalLM,
+) -> None:
+    """Padded keys and values must weigh nothing: a slot's unwritten positions are zeros,
+    never what the memory held before."""
+    lm = LlamaEngine(tiny_target_model)
+    lm.open("s", _tokens(4, 200))
+    lm.forward_new([("s", _tokens(5, 100))])  # grows the slot past its first 256 positions
+    slot = lm._session("s").kv
+    assert slot is not None and slot.shape[3] > 300
+    assert bool((slot[:, :, :, 300:] == 0).all())
+    assert bool(slot[:, :, :, :300].ne(0).any())
 
 
 def test_keep_rows_returns_only_the_trailing_rows(

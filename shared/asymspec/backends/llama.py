@@ -62,6 +62,13 @@ log = logging.getLogger("asymspec.engine")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 _CAPACITY_QUANTUM = 256  # KV slot capacity grows in multiples of this many positions
+# torch's CPU flash attention in bf16 / fp16 on AMX runs oneDNN brgemm kernels that it
+# JIT-compiles for each shape and keeps for good, per thread (at::native::cpublas's
+# KernelCache). Its shapes follow the key length, so a server that sees every length keeps
+# compiling: a verifier's memory grew 20 % in a 10-minute soak (loadtest/results/
+# soak-kernel-cache/). Padding the keys it reads to a multiple of this (masked out) bounds
+# them.
+_TORCH_KEY_QUANTUM = 64
 _PACK_BATCH_HINT = 16  # oneDNN picks its packed layout for about this many rows
 
 
@@ -330,6 +337,13 @@ class LlamaEngine(SessionTable[_Session]):
         self.native_attention = NativeAttention.for_engine(
             self.dtype, model.device, self.head_dim, native_attention
         )
+        # Whether the sessions torch's attention serves read keys padded to a quantum: where
+        # its flash attention compiles a kernel per shape (``_TORCH_KEY_QUANTUM``).
+        self.pads_torch_keys = (
+            model.device.type == "cpu"
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and cpu_has_amx()
+        )
         self.pointwise = NativePointwise.for_engine(
             self.dtype, model.device, self.head_dim, native_pointwise
         )
@@ -432,7 +446,9 @@ class LlamaEngine(SessionTable[_Session]):
         capacity = max(needed, old + old // 2)
         capacity = -(-capacity // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM
         shape = (len(self.layers), 2, self.num_kv_heads, capacity, self.head_dim)
-        grown = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeros, not whatever memory held: torch's attention reads padded keys and values
+        # past a session's length (``_torch_keys``), which must be finite to weigh nothing.
+        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if kv is not None and session.length > 0:
             grown[:, :, :, : session.length] = kv[:, :, :, : session.length]
         session.kv = grown
@@ -554,10 +570,11 @@ class LlamaEngine(SessionTable[_Session]):
         writes, keys, values, masks = {}, {}, {}, {}
         for b in by_torch:
             base, total = sessions[b].length, sessions[b].length + counts[b]
+            seen = self._torch_keys(total)
             writes[b] = slots[b][:, :, :, base:total]  # [layers, 2, H_kv, n, D]
-            keys[b] = slots[b][:, 0:1, :, :total]  # [layers, 1, H_kv, base + n, D]
-            values[b] = slots[b][:, 1:2, :, :total]
-            masks[b] = self._causal_mask(base, counts[b])
+            keys[b] = slots[b][:, 0:1, :, :seen]  # [layers, 1, H_kv, seen, D]
+            values[b] = slots[b][:, 1:2, :, :seen]
+            masks[b] = self._causal_mask(base, counts[b], seen)
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_scale = self.scaling
 
@@ -704,15 +721,24 @@ class LlamaEngine(SessionTable[_Session]):
         self.restricted_head = RestrictedHead.of(ids, self.vocab_size)
         log.info("LlamaEngine: LM head restricted to %d of %d tokens", ids.numel(), self.vocab_size)
 
-    def _causal_mask(self, base: int, n_new: int) -> torch.Tensor | None:
-        """[g n, base + n], row j n + i for query i of group member j (the folded layout):
-        0 where the query may attend, -inf where not; None for one query (it sees the whole
-        prefix). Additive and in the model's dtype because SDPA converts a boolean mask on
-        every call (two ops per session and layer: 8% of a 16-block verify here)."""
-        if n_new == 1:
+    def _torch_keys(self, total: int) -> int:
+        """The key positions torch's attention reads for a session of ``total`` positions:
+        ``total``, or where its kernels are compiled per shape, ``total`` rounded up to
+        ``_TORCH_KEY_QUANTUM`` (a slot's capacity is a multiple of it, so they exist)."""
+        if not self.pads_torch_keys:
+            return total
+        return -(-total // _TORCH_KEY_QUANTUM) * _TORCH_KEY_QUANTUM
+
+    def _causal_mask(self, base: int, n_new: int, keys: int) -> torch.Tensor | None:
+        """[g n, keys], row j n + i for query i of group member j (the folded layout): 0
+        where the query may attend, -inf where not (later positions, and the padding past
+        ``base + n``); None for one query that sees every key. Additive and in the model's
+        dtype because SDPA converts a boolean mask on every call (two ops per session and
+        layer: 8% of a 16-block verify here)."""
+        if n_new == 1 and keys == base + 1:
             return None
         rows = torch.arange(n_new, device=self.device)[:, None]
-        cols = torch.arange(base + n_new, device=self.device)[None]
+        cols = torch.arange(keys, device=self.device)[None]
         future = (cols > rows + base).repeat(self.num_heads // self.num_kv_heads, 1)
         mask = torch.zeros(future.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(future, float("-inf"))
