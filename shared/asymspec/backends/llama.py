@@ -446,11 +446,13 @@ class LlamaEngine(SessionTable[_Session]):
         capacity = max(needed, old + old // 2)
         capacity = -(-capacity // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM
         shape = (len(self.layers), 2, self.num_kv_heads, capacity, self.head_dim)
-        # Zeros, not whatever memory held: torch's attention reads padded keys and values
-        # past a session's length (``_torch_keys``), which must be finite to weigh nothing.
-        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        grown = torch.empty(shape, dtype=self.dtype, device=self.device)
         if kv is not None and session.length > 0:
             grown[:, :, :, : session.length] = kv[:, :, :, : session.length]
+        # Past the copied positions zeros, not whatever memory held: torch's attention reads
+        # padded keys and values there (``_torch_keys``), which must be finite to weigh
+        # nothing. Only the tail: the copy writes the rest.
+        grown[:, :, :, session.length :].zero_()
         session.kv = grown
         return grown
 
