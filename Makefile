@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP) models
 
 models: $(STAMP)
-	$(BIN)/python -m asymspec.backends.prepare
+	$(BIN)/python -m asymspec_engine.prepare
 
 prometheus:  # the dashboard tests query a real Prometheus (apt-get as root when missing)
 	scripts/ensure_prometheus.sh

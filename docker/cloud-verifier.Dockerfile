@@ -25,7 +25,7 @@ RUN if [ -n "${TORCH_FIND_LINKS}" ]; then host="${TORCH_FIND_LINKS#*://}"; \
     && pip install "torch==${TORCH_VERSION}" $where
 
 # A C compiler: the engine compiles its native attention kernel for the CPU it runs on when
-# it starts (asymspec/backends/native_attention.py); without one it keeps torch's attention.
+# it starts (asymspec_engine/native_attention.py); without one it keeps torch's attention.
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -50,7 +50,7 @@ RUN pip install --no-deps -e . \
     && mkdir -p /models && chown asymspec /models
 USER asymspec
 # `make models` at build time; a fresh named volume mounted on /models is seeded from here.
-RUN python -m asymspec.backends.prepare
+RUN python -m asymspec_engine.prepare
 
 ENV ASYMSPEC_CLOUD_HOST=0.0.0.0 ASYMSPEC_CLOUD_PORT=8001
 EXPOSE 8001

@@ -6,6 +6,6 @@
 # Skipped when the service is given its own model (a path or a Hugging Face id).
 set -eu
 case "${ASYMSPEC_EDGE_DRAFT_MODEL:-}${ASYMSPEC_CLOUD_TARGET_MODEL:-}" in
-  "" | embedded:*) python -m asymspec.backends.prepare ;;
+  "" | embedded:*) python -m asymspec_engine.prepare ;;
 esac
 exec "$@"

@@ -34,27 +34,27 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
-from asymspec.backends.engine import SessionLM
-from asymspec.backends.feature_draft import FeatureLM, is_feature_draft, load_fc
-from asymspec.backends.hardware import (
+from asymspec_engine.draft import DEFAULT_COPY_WEIGHT, DraftModel
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from asymspec_engine.engine import SessionLM
+from asymspec_engine.feature_draft import FeatureLM, is_feature_draft, load_fc
+from asymspec_engine.hardware import (
     Precision,
     machine_facts,
     pick_device,
     resolve_precision,
 )
-from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.loading import (
+from asymspec_engine.llama import LlamaEngine
+from asymspec_engine.loading import (
     load_causal_lm,
     resolve_model,
     restrict_draft_head,
     session_lm,
 )
-from asymspec.backends.target import TargetModel
+from asymspec_engine.target import TargetModel
 from asymspec.instructions import instructions
 from asymspec.prompts import Message, humaneval_prompts, render_prompt
-from asymspec.reference import GenerationStats, speculative_generate, target_generate
+from asymspec_engine.reference import GenerationStats, speculative_generate, target_generate
 from asymspec.sampling import SamplingParams
 
 VERIFY_COST_BAR = 1.25  # (b): t(1000-token prefix) / t(100-token prefix)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "shared"))
 
 from bench_loopback import metric_sum  # noqa: E402  # this folder: scripts run as files
 
-from asymspec.backends.hardware import (  # noqa: E402
+from asymspec_engine.hardware import (  # noqa: E402
     colocated_threads,
     machine_facts,
     resolve_precision,

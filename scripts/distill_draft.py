@@ -1,6 +1,6 @@
 """Distil the embedded draft model from the embedded target (reproducible, CPU only).
 
-    python -m asymspec.backends.prepare --target-only     # once: the fp32 target in the cache
+    python -m asymspec_engine.prepare --target-only     # once: the fp32 target in the cache
     python scripts/distill_draft.py                       # all stages -> models/smollm2-draft/
     python scripts/distill_draft.py --stage generate --shard 0/2 --threads 1 &   # two cores:
     python scripts/distill_draft.py --stage generate --shard 1/2 --threads 1     # two shards
@@ -53,12 +53,12 @@ from transformers import (
     PreTrainedModel,
 )
 
-from asymspec.backends.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
-from asymspec.backends.engine import SessionLM
-from asymspec.backends.hardware import resolve_dtype
-from asymspec.backends.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
-from asymspec.backends.loading import session_lm
-from asymspec.backends.prepare import target_dir
+from asymspec_engine.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
+from asymspec_engine.engine import SessionLM
+from asymspec_engine.hardware import resolve_dtype
+from asymspec_engine.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
+from asymspec_engine.loading import session_lm
+from asymspec_engine.prepare import target_dir
 from asymspec.instructions import instructions
 from asymspec.prompts import humaneval_prompts, prose_prompts, render_prompt, source_prompts
 from asymspec.sampling import sample_rows
@@ -746,7 +746,7 @@ def stage_export(args: argparse.Namespace) -> None:
 def load_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, AutoTokenizer]:
     path = target_dir()
     if not (path / "config.json").is_file():
-        raise SystemExit(f"no target at {path}; run `python -m asymspec.backends.prepare` first")
+        raise SystemExit(f"no target at {path}; run `python -m asymspec_engine.prepare` first")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
 

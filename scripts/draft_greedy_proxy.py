@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from asymspec.backends.embedded import EMBEDDED_TARGET, REPO_ROOT, embedded_path
+from asymspec_engine.embedded import EMBEDDED_TARGET, REPO_ROOT, embedded_path
 from asymspec.prompts import humaneval_prompts
 
 CACHE = REPO_ROOT / ".cache" / "measure"

@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "shared"))
 
-from asymspec.backends.embedded import COMMITTED_DRAFT_DIR  # noqa: E402
-from asymspec.backends.head_vocab import write_head_vocab  # noqa: E402
-from asymspec.backends.prepare import target_dir  # noqa: E402
+from asymspec_engine.embedded import COMMITTED_DRAFT_DIR  # noqa: E402
+from asymspec_engine.head_vocab import write_head_vocab  # noqa: E402
+from asymspec_engine.prepare import target_dir  # noqa: E402
 
 GENERATED = REPO / ".cache" / "distill" / "generated"
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
-from asymspec.backends.hardware import machine_facts
-from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.loading import load_causal_lm
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from asymspec_engine.hardware import machine_facts
+from asymspec_engine.llama import LlamaEngine
+from asymspec_engine.loading import load_causal_lm
 from asymspec.prompts import humaneval_prompts
 from asymspec.sampling import SamplingParams, transform
 

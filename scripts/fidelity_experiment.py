@@ -38,11 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: repo root
 
-from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel, DraftRequest
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
-from asymspec.backends.engine import CachedLM, draw_uniform
-from asymspec.backends.loading import load_causal_lm
-from asymspec.backends.target import ScoreRequest, TargetModel
+from asymspec_engine.draft import DEFAULT_COPY_WEIGHT, DraftModel, DraftRequest
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from asymspec_engine.engine import CachedLM, draw_uniform
+from asymspec_engine.loading import load_causal_lm
+from asymspec_engine.target import ScoreRequest, TargetModel
 from asymspec.prompts import humaneval_prompts
 from asymspec.sampling import (
     SamplingParams,

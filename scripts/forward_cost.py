@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from asymspec.backends.embedded import EMBEDDED_TARGET
-from asymspec.backends.engine import CachedLM, SessionLM
-from asymspec.backends.hardware import cpu_has_amx, fp16_weights_supported, machine_facts
-from asymspec.backends.llama import LlamaEngine
-from asymspec.backends.loading import load_causal_lm
+from asymspec_engine.embedded import EMBEDDED_TARGET
+from asymspec_engine.engine import CachedLM, SessionLM
+from asymspec_engine.hardware import cpu_has_amx, fp16_weights_supported, machine_facts
+from asymspec_engine.llama import LlamaEngine
+from asymspec_engine.loading import load_causal_lm
 from asymspec.prompts import humaneval_prompts
 
 SHAPES = ((1, 1), (1, 5), (16, 1), (16, 5), (32, 1), (32, 5))  # (sessions B, new tokens n)

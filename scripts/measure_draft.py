@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from asymspec.prompts import humaneval_prompts, render_prompt
 
 

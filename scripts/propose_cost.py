@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from asymspec.backends.draft import DEFAULT_COPY_WEIGHT, DraftModel, DraftRequest
-from asymspec.backends.embedded import EMBEDDED_DRAFT
-from asymspec.backends.hardware import machine_facts
-from asymspec.backends.loading import load_session_lm, restrict_draft_head
+from asymspec_engine.draft import DEFAULT_COPY_WEIGHT, DraftModel, DraftRequest
+from asymspec_engine.embedded import EMBEDDED_DRAFT
+from asymspec_engine.hardware import machine_facts
+from asymspec_engine.loading import load_session_lm, restrict_draft_head
 from asymspec.prompts import humaneval_prompts
 from asymspec.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ from typing import Any
 # the bench package and netem/ live there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asymspec.backends.hardware import machine_facts, resolve_precision
+from asymspec_engine.hardware import machine_facts, resolve_precision
 from asymspec.links import get_profile
 from asymspec.prompts import humaneval_prompts
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed

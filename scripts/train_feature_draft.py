@@ -1,13 +1,13 @@
 """Train the embedded feature draft (EAGLE-style) from the embedded target, on the CPU.
 
-    python -m asymspec.backends.prepare --target-only          # once: the target in the cache
+    python -m asymspec_engine.prepare --target-only          # once: the target in the cache
     python scripts/train_feature_draft.py --stage generate --shard 0/2 --threads 1 &
     python scripts/train_feature_draft.py --stage generate --shard 1/2 --threads 1
     python scripts/train_feature_draft.py --stage train --threads 2 --allow-partial
     python scripts/train_feature_draft.py --stage eval --threads 2
     python scripts/train_feature_draft.py --stage export
 
-What a feature draft is: ``asymspec.backends.feature_draft``. Stages (cached under
+What a feature draft is: ``asymspec_engine.feature_draft``. Stages (cached under
 ``.cache/feature_draft/``, git-ignored):
 
 1. ``generate``: the target writes continuations of TRAIN-split prompts (the same jobs and
@@ -49,10 +49,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig
 
-from asymspec.backends.embedded import REPO_ROOT
-from asymspec.backends.feature_draft import save_fc
-from asymspec.backends.head_vocab import read_head_vocab, write_head_vocab
-from asymspec.backends.llama import LlamaEngine
+from asymspec_engine.embedded import REPO_ROOT
+from asymspec_engine.feature_draft import save_fc
+from asymspec_engine.head_vocab import read_head_vocab, write_head_vocab
+from asymspec_engine.llama import LlamaEngine
 from asymspec.instructions import instructions
 from asymspec.prompts import humaneval_prompts, render_prompt
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from asymspec.backends.embedded import ModelNotPrepared
+from asymspec_engine.embedded import ModelNotPrepared
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
 from loadtest.bench.config import (

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
 from loadtest.bench.workload import Sampling

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from asymspec.backends.hardware import machine_facts, resolve_dtype
+from asymspec_engine.hardware import machine_facts, resolve_dtype
 from asymspec.links import get_profile
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed
 from loadtest.bench.cell import CellFailed, CellPlan, run_cell, service_torch_threads

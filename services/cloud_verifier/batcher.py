@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from asymspec.actors import ActorDied, Supervised
-from asymspec.backends.hardware import ForwardThreads
-from asymspec.backends.target import (
+from asymspec_engine.hardware import ForwardThreads
+from asymspec_engine.target import (
     PrefillChunk,
     ScoreRequest,
     StepRequest,

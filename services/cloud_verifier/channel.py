@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
-from asymspec.backends.feature_draft import features_to_wire
+from asymspec_engine.feature_draft import features_to_wire
 from asymspec.correction import Rung
 from asymspec.wire import (
     BlockId,

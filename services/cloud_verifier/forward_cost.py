@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asymspec.backends.target import attended_keys
+from asymspec_engine.target import attended_keys
 
 # Below this spread of recent row counts (rows², weighted variance) the slope is noise.
 _MIN_ROWS_VARIANCE = 1.0

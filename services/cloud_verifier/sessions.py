@@ -20,7 +20,7 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from asymspec.backends.feature_draft import features_to_wire
+from asymspec_engine.feature_draft import features_to_wire
 from asymspec.correction import Rung, answer
 from asymspec.sampling import (
     SamplingParams,

@@ -8,9 +8,9 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from asymspec.backends.embedded import EMBEDDED_TARGET
-from asymspec.backends.hardware import ForwardThreads, Role, colocated_threads
-from asymspec.runtime_settings import RuntimeSettings
+from asymspec_engine.embedded import EMBEDDED_TARGET
+from asymspec_engine.hardware import ForwardThreads, Role, colocated_threads
+from asymspec_engine.runtime_settings import RuntimeSettings
 from cloud_verifier.forward_cost import PrefillBudget
 
 

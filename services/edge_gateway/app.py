@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.draft import DraftModel
-from asymspec.backends.loading import restrict_draft_head
+from asymspec_engine.draft import DraftModel
+from asymspec_engine.loading import restrict_draft_head
 from asymspec.model_thread import ModelThread
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from asymspec.actors import ActorDied
-from asymspec.backends.draft import Draft, DraftRequest
-from asymspec.backends.engine import draw_uniform
-from asymspec.backends.feature_draft import FeatureLog, features_from_wire
+from asymspec_engine.draft import Draft, DraftRequest
+from asymspec_engine.engine import draw_uniform
+from asymspec_engine.feature_draft import FeatureLog, features_from_wire
 from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from asymspec.actors import ActorDied, Supervised
-from asymspec.backends.draft import Draft, DraftModel, DraftRequest
+from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec.model_thread import ModelThread
 from asymspec.modes import Mode
 from edge_gateway.metrics import EdgeMetrics

@@ -19,7 +19,7 @@ Frame layout (one msgpack value per frame, positional, no field names)::
                ~2.2x (the high bytes of ids below 65,536 are zero); lossless, so exact
     Features = array [hidden, bin of bf16 bit patterns as little-endian uint16, row-major
                rows × hidden]: the target's last hidden states of confirmed positions, for
-               a feature draft (``asymspec.backends.feature_draft``). Downlink only, and
+               a feature draft (``asymspec_engine.feature_draft``). Downlink only, and
                only to an edge that asked: they are a draft's input, never a probability,
                so bf16 rounding changes which q the edge proposes from, not exactness
     absent   = nil

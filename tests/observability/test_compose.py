@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from asymspec.backends.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
 from cloud_verifier.settings import CloudSettings
@@ -182,7 +182,7 @@ def test_builds_and_copied_files_exist(services: dict[str, dict[str, Any]]) -> N
 
 
 def test_images_ship_the_committed_draft() -> None:
-    # The app images run `python -m asymspec.backends.prepare` at build time, which needs
+    # The app images run `python -m asymspec_engine.prepare` at build time, which needs
     # the committed draft (models/smollm2-draft/, trained by scripts/distill_draft.py).
     patterns = dockerignore_for(ROOT / "docker/edge-gateway.Dockerfile", ROOT)
     needed = ("models/smollm2-draft/config.json", "models/smollm2-draft/model.safetensors")

@@ -20,10 +20,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import StepRequest, TargetModel
+from asymspec_engine.loading import session_lm
+from asymspec_engine.target import StepRequest, TargetModel
 from edge_gateway.engine_api import GenerationError, GenerationRequest
-from tests.backends.conftest import build_tiny_llama
+from tests.engine.conftest import build_tiny_llama
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (

@@ -12,9 +12,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from asymspec.actors import ActorDied
-from asymspec.backends.draft import DraftModel, DraftRequest
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import TargetModel
+from asymspec_engine.draft import DraftModel, DraftRequest
+from asymspec_engine.loading import session_lm
+from asymspec_engine.target import TargetModel
 from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
 from cloud_verifier.batcher import Batcher
@@ -25,7 +25,7 @@ from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
-from tests.backends.conftest import build_tiny_llama
+from tests.engine.conftest import build_tiny_llama
 from tests.services.tiny_models import greedy_cloud_session
 
 

@@ -21,7 +21,7 @@ import websockets
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from asymspec.backends.feature_draft import features_from_wire
+from asymspec_engine.feature_draft import features_from_wire
 from asymspec.sampling_params import SamplingParams
 from asymspec.wire import (
     BlockId,
@@ -39,7 +39,7 @@ from asymspec.wire import (
 )
 from edge_gateway.channel import CloudChannel, CloudError
 from edge_gateway.metrics import EdgeMetrics
-from tests.backends.conftest import full_logits
+from tests.engine.conftest import full_logits
 from tests.services.processes import Service, cloud_env, free_port, running
 from tests.services.tiny_models import save_tiny_pair
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asymspec.backends.embedded import COMMITTED_DRAFT_DIR
-from asymspec.backends.head_vocab import read_head_vocab
-from asymspec.backends.llama import LlamaEngine
+from asymspec_engine.embedded import COMMITTED_DRAFT_DIR
+from asymspec_engine.head_vocab import read_head_vocab
+from asymspec_engine.llama import LlamaEngine
 from edge_gateway.app import load_draft
 from edge_gateway.settings import EdgeSettings
 

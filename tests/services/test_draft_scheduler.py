@@ -13,14 +13,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.draft import Draft, DraftModel, DraftRequest
-from asymspec.backends.hardware import resolve_precision
-from asymspec.backends.loading import load_session_lm, session_lm
+from asymspec_engine.draft import Draft, DraftModel, DraftRequest
+from asymspec_engine.hardware import resolve_precision
+from asymspec_engine.loading import load_session_lm, session_lm
 from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.scheduler import DraftScheduler
-from tests.backends.conftest import build_tiny_llama
+from tests.engine.conftest import build_tiny_llama
 from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 GREEDY = SamplingParams(temperature=0.0)

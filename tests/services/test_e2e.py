@@ -30,7 +30,7 @@ from scipy import stats
 from transformers import AutoModelForCausalLM
 
 from asymspec.sampling import SamplingParams, transform
-from tests.backends.conftest import full_logits
+from tests.engine.conftest import full_logits
 from tests.services.processes import (
     Service,
     cloud_env,

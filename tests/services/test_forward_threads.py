@@ -10,14 +10,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.hardware import ForwardThreads
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import TargetModel
+from asymspec_engine.hardware import ForwardThreads
+from asymspec_engine.loading import session_lm
+from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
-from tests.backends.conftest import build_tiny_llama
+from tests.engine.conftest import build_tiny_llama
 from tests.services.tiny_models import greedy_cloud_session
 
 

@@ -13,13 +13,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from asymspec.actors import ActorDied
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import TargetModel
+from asymspec_engine.loading import session_lm
+from asymspec_engine.target import TargetModel
 from asymspec.wire import BlockId, ErrorCode, VerifyBlock, WireError
 from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
-from tests.backends.conftest import build_tiny_llama, full_logits
+from tests.engine.conftest import build_tiny_llama, full_logits
 from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from asymspec.backends.target import (
+from asymspec_engine.target import (
     PrefillChunk,
     Round,
     ScoreRequest,

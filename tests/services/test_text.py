@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asymspec.backends.embedded import EMBEDDED_TARGET, ModelNotPrepared, embedded_path
+from asymspec_engine.embedded import EMBEDDED_TARGET, ModelNotPrepared, embedded_path
 from edge_gateway.text import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,

@@ -14,9 +14,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from asymspec.backends.feature_draft import save_fc
-from asymspec.backends.loading import session_lm
-from asymspec.backends.target import (
+from asymspec_engine.feature_draft import save_fc
+from asymspec_engine.loading import session_lm
+from asymspec_engine.target import (
     PrefillChunk,
     Round,
     ScoreRequest,
@@ -27,7 +27,7 @@ from asymspec.correction import Rung
 from asymspec.sampling import SamplingParams
 from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.sessions import Session
-from tests.backends.conftest import build_tiny_llama, feature_copy, noisy_copy
+from tests.engine.conftest import build_tiny_llama, feature_copy, noisy_copy
 
 TINY_VOCAB = 320
 CHAT_TEMPLATE = (
