@@ -150,7 +150,7 @@ def _start_services(bed: Testbed, models: tuple[str, str], secret: str, logs: Pa
         "ASYMSPEC_CLOUD_TARGET_MODEL": models[0],
         "ASYMSPEC_CLOUD_HOST": "0.0.0.0",
         "ASYMSPEC_CLOUD_PORT": str(CLOUD_PORT),
-        "ASYMSPEC_CLOUD_TORCH_THREADS": "1",
+        "ASYMSPEC_CLOUD_THREADS": "1",
         "ASYMSPEC_CLOUD_SHARED_SECRET": secret,
     }
     edge_env = {
@@ -158,7 +158,7 @@ def _start_services(bed: Testbed, models: tuple[str, str], secret: str, logs: Pa
         "ASYMSPEC_EDGE_DRAFT_MODEL": models[1],
         "ASYMSPEC_EDGE_HOST": "0.0.0.0",
         "ASYMSPEC_EDGE_PORT": str(EDGE_PORT),
-        "ASYMSPEC_EDGE_TORCH_THREADS": "1",
+        "ASYMSPEC_EDGE_THREADS": "1",
         "ASYMSPEC_EDGE_SHARED_SECRET": secret,
         "ASYMSPEC_EDGE_CLOUD_URL": f"ws://{bed.layout.address('cloud')}:{CLOUD_PORT}/v1/channel",
         # The soak holds the speculative path (blocks, corrections over the link) under

@@ -7,7 +7,7 @@ PY=.venv/bin/python
 export ASYMSPEC_CLOUD_PORT="${ASYMSPEC_CLOUD_PORT:-8001}" ASYMSPEC_EDGE_PORT="${ASYMSPEC_EDGE_PORT:-8000}"
 export ASYMSPEC_EDGE_CLOUD_URL="${ASYMSPEC_EDGE_CLOUD_URL:-ws://127.0.0.1:${ASYMSPEC_CLOUD_PORT}/v1/channel}"
 # Both services share this host: split the cores between their torch threads (2 cores:
-# 1 + 1) instead of both taking every core. ASYMSPEC_{CLOUD,EDGE}_TORCH_THREADS override.
+# 1 + 1) instead of both taking every core. ASYMSPEC_{CLOUD,EDGE}_THREADS override.
 export ASYMSPEC_COLOCATED="${ASYMSPEC_COLOCATED:-true}"
 
 # The edge<->cloud secret is required; a local run makes one up unless you set it.

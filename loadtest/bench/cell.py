@@ -36,8 +36,8 @@ CLOUD_CPU, EDGE_CPU = 1, 0
 
 def service_torch_threads() -> dict[str, int]:
     """The torch threads each service of a cell runs with, as the tests' helpers set them."""
-    cloud = cloud_env(Path(), CLOUD_PORT)["ASYMSPEC_CLOUD_TORCH_THREADS"]
-    edge = edge_env(Path(), EDGE_PORT, CLOUD_PORT, "asymspec")["ASYMSPEC_EDGE_TORCH_THREADS"]
+    cloud = cloud_env(Path(), CLOUD_PORT)["ASYMSPEC_CLOUD_THREADS"]
+    edge = edge_env(Path(), EDGE_PORT, CLOUD_PORT, "asymspec")["ASYMSPEC_EDGE_THREADS"]
     return {"cloud": int(cloud), "edge": int(edge)}
 
 

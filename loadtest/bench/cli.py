@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from asymspec_engine.embedded import ModelNotPrepared
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
+from asymspec_engine.embedded import ModelNotPrepared
 from loadtest.bench.config import (
     DEFAULT_PROFILES,
     BenchConfig,

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from loadtest.bench.workload import Sampling
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

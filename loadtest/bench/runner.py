@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from asymspec_engine.hardware import machine_facts, resolve_dtype
 from asymspec.links import get_profile
 from asymspec.testbed import Testbed, TestbedLayout, open_testbed
+from asymspec_engine.hardware import machine_facts, resolve_dtype
 from loadtest.bench.cell import CellFailed, CellPlan, run_cell, service_torch_threads
 from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
 from loadtest.bench.plots import write_plots

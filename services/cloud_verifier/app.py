@@ -19,9 +19,9 @@ from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec.model_thread import ModelThread
 from asymspec_engine.feature_draft import FeatureLM
 from asymspec_engine.target import TargetModel
-from asymspec.model_thread import ModelThread
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
 from cloud_verifier.metrics import CloudMetrics, metrics_router

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from asymspec.actors import ActorDied, Supervised
+from asymspec.model_thread import ModelThread
+from asymspec.wire import ErrorCode, TargetCost, VerifyResult, WireError
 from asymspec_engine.hardware import ForwardThreads
 from asymspec_engine.target import (
     PrefillChunk,
@@ -45,8 +47,6 @@ from asymspec_engine.target import (
     fed_keys,
     fed_rows,
 )
-from asymspec.model_thread import ModelThread
-from asymspec.wire import ErrorCode, TargetCost, VerifyResult, WireError
 from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import AnyBlock, Session
@@ -248,7 +248,7 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
-            jobs = await self._collect(wait=not (self._prefilling or self._generating))
+            jobs = await self._collect(wait=not (self._generating or self._can_prefill()))
             started = time.perf_counter()
             work = []
             for job in jobs:
@@ -330,16 +330,35 @@ class Batcher:
                 due += rows
         return due
 
+    def _free_sessions(self) -> int | None:
+        """Sessions the engine can still open (None: no bound). Read between rounds, while
+        the model thread is idle; a close in the coming round frees its slot after it."""
+        capacity = self.target.max_sessions
+        return None if capacity is None else max(0, capacity - self.target.lm.sessions())
+
+    def _admitted(self) -> list[_Prefill]:
+        """The prompts that may take a chunk: those under way, and as many new ones as the
+        engine has free sessions (the oldest first); the rest wait for a close."""
+        free = self._free_sessions()
+        admitted = []
+        for prefill in self._prefilling:
+            if prefill.started or free is None or free > 0:
+                admitted.append(prefill)
+                if not prefill.started and free is not None:
+                    free -= 1
+        return admitted
+
+    def _can_prefill(self) -> bool:
+        return bool(self._admitted())
+
     def _next_chunks(self, work_rows: int) -> list[_Chunk]:
         """This round's prefill chunks, as the budget plans them: the prompts with the
         fewest tokens left first (shortest remaining first: a short prompt's whole prefill
         costs the long one a round's few rows), the oldest among equals."""
-        order = sorted(self._prefilling, key=lambda p: p.total - p.done)  # stable
+        order = sorted(self._admitted(), key=lambda p: p.total - p.done)  # stable
         rests = [prefill.total - prefill.done for prefill in order]
         dones = [prefill.done for prefill in order]
-        taken = self.prefill_budget.plan(
-            rests, self.cost, work_rows, self.target.padded_rows, dones
-        )
+        taken = self.prefill_budget.plan(rests, self.cost, work_rows, None, dones)
         return [  # (a prompt with nothing left to prefill gets its empty chunk: it resolves)
             _Chunk(prefill, prefill.done, prefill.done + take)
             for prefill, rest, take in zip(order, rests, taken, strict=True)
@@ -385,8 +404,7 @@ class Batcher:
                 cloud_decodes_alone=any(j.generates for j in jobs)
                 and not any(j.verifies for j in jobs),
             )
-            if wanted != torch.get_num_threads():
-                torch.set_num_threads(wanted)
+            self.target.lm.set_threads(wanted)
         with torch.inference_mode():
             prefills = self._start_chunks(chunks)
             if live or prefills:

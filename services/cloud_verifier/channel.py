@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
-from asymspec_engine.feature_draft import features_to_wire
 from asymspec.correction import Rung
 from asymspec.wire import (
     BlockId,
@@ -44,6 +43,7 @@ from asymspec.wire import (
     decode,
     encode,
 )
+from asymspec_engine.feature_draft import features_to_wire
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session

@@ -20,7 +20,6 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from asymspec_engine.feature_draft import features_to_wire
 from asymspec.correction import Rung, answer
 from asymspec.sampling import (
     SamplingParams,
@@ -42,6 +41,7 @@ from asymspec.wire import (
     WireError,
     config_digest,
 )
+from asymspec_engine.feature_draft import features_to_wire
 
 AnyBlock: TypeAlias = VerifyBlock | VerifyBlockFull
 

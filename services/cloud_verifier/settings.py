@@ -84,7 +84,7 @@ class CloudSettings(RuntimeSettings):
     def forward_threads(self) -> ForwardThreads | None:
         """Colocated with automatic threads: every core while one session is open, the
         colocated split otherwise; else None (the thread count never changes)."""
-        if self.torch_threads or not self.colocated:
+        if self.threads or not self.colocated:
             return None
         shared = colocated_threads(self.role, self.edge_mode())
         return ForwardThreads(shared=shared, solo=os.cpu_count() or shared)

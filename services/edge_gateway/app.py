@@ -18,9 +18,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec.model_thread import ModelThread
 from asymspec_engine.draft import DraftModel
 from asymspec_engine.loading import restrict_draft_head
-from asymspec.model_thread import ModelThread
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings

@@ -21,9 +21,6 @@ import numpy as np
 import torch
 
 from asymspec.actors import ActorDied
-from asymspec_engine.draft import Draft, DraftRequest
-from asymspec_engine.engine import draw_uniform
-from asymspec_engine.feature_draft import FeatureLog, features_from_wire
 from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
@@ -43,6 +40,9 @@ from asymspec.wire import (
     VerifyResult,
     config_digest,
 )
+from asymspec_engine.draft import Draft, DraftRequest
+from asymspec_engine.engine import draw_uniform
+from asymspec_engine.feature_draft import FeatureLog, features_from_wire
 from edge_gateway.channel import ChannelDown, CloudChannel, CloudError, ReplyTimeout
 from edge_gateway.draft_length import GoodputDraftLength
 from edge_gateway.engine_api import GenerationError, GenerationRequest

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from asymspec.actors import ActorDied, Supervised
-from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec.model_thread import ModelThread
 from asymspec.modes import Mode
+from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from edge_gateway.metrics import EdgeMetrics
 
 

@@ -35,10 +35,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from asymspec.sampling import SamplingParams, draft_rows_from_half, sample_rows, transform_rows
 from asymspec_engine.engine import SessionLM, draw_uniform
 from asymspec_engine.feature_draft import FeatureLM
 from asymspec_engine.llama import LlamaEngine, RestrictedHead
-from asymspec.sampling import SamplingParams, draft_rows_from_half, sample_rows, transform_rows
 
 
 @dataclass(frozen=True)

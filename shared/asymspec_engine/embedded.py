@@ -19,8 +19,8 @@ EMBEDDED_DRAFT = "embedded:smollm2-draft"
 EMBEDDED_FEATURE_DRAFT = "embedded:smollm2-feature-draft"
 EMBEDDED_MODELS = (EMBEDDED_TARGET, EMBEDDED_DRAFT, EMBEDDED_FEATURE_DRAFT)
 
-# shared/asymspec_engine/embedded.py -> the repository root is three folders up.
-REPO_ROOT = Path(__file__).resolve().parents[3]
+# shared/asymspec_engine/embedded.py -> the repository root is two folders up.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_DRAFT_DIR = REPO_ROOT / "models" / "smollm2-draft"
 COMMITTED_FEATURE_DRAFT_DIR = REPO_ROOT / "models" / "smollm2-feature-draft"
 

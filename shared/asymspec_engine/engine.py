@@ -42,12 +42,26 @@ NewTokens = tuple[str, Sequence[int]]  # (session_id, token ids the session's ca
 
 
 class SessionLM(Protocol):
-    """What the draft and target backends need of an engine (``CachedLM``, ``LlamaEngine``)."""
+    """What the draft and target backends need of an engine (``LlamaCppEngine``,
+    ``LlamaEngine``, ``CachedLM``). Capabilities only some engines have are members every
+    engine answers, so callers ask instead of checking types: ``max_sessions`` (None:
+    unbounded), ``hidden_size`` (0: no hidden states; else ``forward_features`` returns
+    them), ``restricts_head`` (whether ``restrict_head`` can narrow a draft's LM head)."""
 
+    name: str  # "llama.cpp" or "torch": logged and recorded in results
     forward_calls: int
+    max_sessions: int | None
+    restricts_head: bool
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def set_threads(self, threads: int) -> None: ...
+
+    def restrict_head(self, token_ids: Sequence[int]) -> None: ...
 
     def sessions(self) -> int: ...
 
@@ -258,6 +272,11 @@ class CachedLM(SessionTable[_Session]):
     Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it.
     """
 
+    name = "torch"
+    max_sessions: int | None = None
+    restricts_head = False
+    hidden_size = 0  # no hidden states
+
     def __init__(self, model: PreTrainedModel, pad_token_id: int = 0) -> None:
         config = model.config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(config)
@@ -280,6 +299,13 @@ class CachedLM(SessionTable[_Session]):
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.get_text_config(decoder=True).vocab_size)
+
+    def set_threads(self, threads: int) -> None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
+    def restrict_head(self, token_ids: Sequence[int]) -> None:
+        raise NotImplementedError("CachedLM scores the whole vocabulary (restricts_head)")
 
     def _new_session(self) -> _Session:
         return _Session(keys=[None] * self.num_layers, values=[None] * self.num_layers)

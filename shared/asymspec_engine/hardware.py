@@ -1,12 +1,8 @@
-"""What the machine can do for a forward: the device, the dtype, and the facts a result
-file records (CPU model and flags, torch threads), because machines here differ.
+"""What the machine can do for a forward: the device, the torch engine's dtype, and the
+facts a result file records (CPU model and flags, threads), because machines here differ.
 
-bf16 is the default where the hardware runs it natively: every CUDA GPU of the last years,
-and CPUs with AMX-BF16 or AVX512-BF16, where oneDNN's bf16 kernels cost a fraction of
-fp32 (``scripts/forward_cost.py``). Elsewhere bf16 is emulated and slower than fp32. On
-x86 CPUs without it (AVX2) the default is float32 activations with float16 weights
-(FBGEMM), 2x faster than float32 for a decode step and 2.9x for a 5-row verify on an
-AVX2 EPYC; other CPUs get float32. ``float32`` can always be forced (the exact-greedy mode).
+The torch engine runs bf16 on CUDA and float32 on CPUs, where it is the exact reference
+(the llama.cpp engine is the fast CPU path). ``bfloat16`` can be forced on a CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 
 from asymspec.modes import Mode
 
-DtypeName = Literal["auto", "bfloat16", "float32", "float16-weights"]
+DtypeName = Literal["auto", "bfloat16", "float32"]
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -62,42 +58,25 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def fp16_weights_supported() -> bool:
-    """FBGEMM's fp16 kernels exist in this torch build (x86) and the CPU has AVX2."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and (
-        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    )
-
-
 @dataclass(frozen=True)
 class Precision:
-    """What a forward computes in: the model's dtype (weights and activations), and whether
-    the engine stores its linear weights as float16 (FBGEMM; activations stay float32)."""
+    """What a torch forward computes in: the model's dtype (weights and activations)."""
 
     dtype: torch.dtype
-    fp16_weights: bool = False
 
     def __str__(self) -> str:
-        return "float32 with float16 weights" if self.fp16_weights else str(self.dtype)
+        return str(self.dtype)
 
 
 def resolve_precision(name: DtypeName | str, device: str | torch.device) -> Precision:
-    """The precision a setting names. ``auto``: bf16 on CUDA and on bf16-capable CPUs;
-    float16 weights on other x86 CPUs with AVX2; else float32."""
+    """The precision a setting names. ``auto``: bf16 on CUDA, float32 elsewhere."""
     if name == "bfloat16":
         return Precision(torch.bfloat16)
     if name == "float32":
         return Precision(torch.float32)
-    on_cuda = torch.device(device).type == "cuda"
-    if name == "float16-weights":
-        if on_cuda or not fp16_weights_supported():
-            raise ValueError("dtype float16-weights needs an x86 CPU with AVX2 (FBGEMM)")
-        return Precision(torch.float32, fp16_weights=True)
     if name != "auto":
-        raise ValueError(f"dtype must be auto, bfloat16, float32 or float16-weights, got {name!r}")
-    if on_cuda or cpu_has_native_bf16():
-        return Precision(torch.bfloat16)
-    return Precision(torch.float32, fp16_weights=fp16_weights_supported())
+        raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
+    return Precision(torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
 
 
 def resolve_dtype(name: DtypeName | str, device: str | torch.device) -> torch.dtype:

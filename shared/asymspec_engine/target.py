@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from asymspec.sampling import SamplingParams, sample_rows, transform_rows
 from asymspec_engine.engine import SessionLM, draw_uniform
 from asymspec_engine.llama import LlamaEngine
-from asymspec.sampling import SamplingParams, sample_rows, transform_rows
 
 
 @dataclass(frozen=True)
@@ -105,21 +106,17 @@ class TargetModel:
     @property
     def hidden_size(self) -> int:
         """The width of the features it provides (0 for an engine that provides none)."""
-        return int(self.lm.embed.shape[1]) if isinstance(self.lm, LlamaEngine) else 0
-
-    @property
-    def padded_rows(self) -> Callable[[int], int] | None:
-        """The rows a forward fed n positions computes, where the engine pads its products'
-        rows (16-row AMX tiles, oneDNN's bf16 buckets); None where it computes exactly
-        the rows it is fed."""
-        if isinstance(self.lm, LlamaEngine) and self.lm.layout.pads_rows:
-            return self.lm.padded_rows
-        return None
+        return self.lm.hidden_size
 
     @property
     def provides_features(self) -> bool:
-        """Whether its engine returns hidden states (``LlamaEngine``; not ``CachedLM``)."""
+        """Whether its engine returns hidden states (the torch ``LlamaEngine`` does)."""
         return self.hidden_size > 0
+
+    @property
+    def max_sessions(self) -> int | None:
+        """The sessions its engine holds at once (None: no bound)."""
+        return self.lm.max_sessions
 
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         """Prefill all but the last prompt token, which is the first block's tail."""
@@ -177,9 +174,10 @@ class TargetModel:
         wanted += [0] * len(steps)
         features: list[torch.Tensor | None] = [None] * len(batch)
         if any(wanted):
-            if not isinstance(self.lm, LlamaEngine):
-                raise ValueError(f"{type(self.lm).__name__} returns no hidden states")
-            logits, hidden = self.lm.forward_features(batch, keep, wanted)
+            if not self.provides_features:
+                raise ValueError(f"the {self.lm.name} engine returns no hidden states")
+            lm = cast(LlamaEngine, self.lm)  # the one engine with hidden_size > 0
+            logits, hidden = lm.forward_features(batch, keep, wanted)
             features = [h if n else None for h, n in zip(hidden, wanted, strict=True)]
         else:
             logits = self.lm.forward_new(batch, keep_rows=keep)

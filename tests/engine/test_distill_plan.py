@@ -9,8 +9,6 @@ from collections import Counter
 
 from transformers import AutoTokenizer
 
-from asymspec_engine.embedded import REPO_ROOT
-from asymspec_engine.prepare import target_dir
 from asymspec.instructions import instructions
 from asymspec.prompts import (
     CHAT_PROMPTS,
@@ -18,6 +16,8 @@ from asymspec.prompts import (
     prose_prompts,
     source_prompts,
 )
+from asymspec_engine.embedded import REPO_ROOT
+from asymspec_engine.prepare import target_dir
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import distill_draft

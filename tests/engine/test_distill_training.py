@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymspec_engine.embedded import REPO_ROOT
 from asymspec.sampling import sample_rows
+from asymspec_engine.embedded import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import distill_draft

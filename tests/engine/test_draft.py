@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
+from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
 from asymspec_engine.draft import (
     COPY_MAX_SUFFIX,
     COPY_MIN_SUFFIX,
@@ -20,7 +21,6 @@ from asymspec_engine.draft import (
     mix_copy,
 )
 from asymspec_engine.loading import session_lm
-from asymspec.sampling import SamplingParams, draft_rows_from_half, transform
 from tests.engine.conftest import TINY_VOCAB, full_logits
 
 T1 = SamplingParams(temperature=1.0)

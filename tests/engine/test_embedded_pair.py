@@ -13,15 +13,15 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from asymspec.prompts import humaneval_prompts
+from asymspec.sampling import SamplingParams
 from asymspec_engine.draft import DraftModel
 from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
 from asymspec_engine.engine import CachedLM
 from asymspec_engine.llama import LlamaEngine
 from asymspec_engine.loading import load_causal_lm, session_lm
-from asymspec_engine.target import TargetModel
-from asymspec.prompts import humaneval_prompts
 from asymspec_engine.reference import speculative_generate, target_generate
-from asymspec.sampling import SamplingParams
+from asymspec_engine.target import TargetModel
 
 pytestmark = pytest.mark.slow
 

@@ -23,19 +23,14 @@ from asymspec_engine.embedded import EMBEDDED_DRAFT, ModelNotPrepared
 from asymspec_engine.engine import CachedLM, SessionLM
 from asymspec_engine.hardware import (
     Precision,
-    cpu_has_native_bf16,
-    fp16_weights_supported,
     pick_device,
     resolve_dtype,
     resolve_precision,
 )
 from asymspec_engine.llama import (
     _CAPACITY_QUANTUM,
-    _SMALL_BUCKETS_FROM,
     _TORCH_KEY_QUANTUM,
     LlamaEngine,
-    WeightLayout,
-    _row_bucket,
 )
 from asymspec_engine.loading import load_causal_lm, session_lm
 from tests.engine.conftest import TINY_VOCAB, build_tiny_llama, full_logits
@@ -310,77 +305,20 @@ def test_hub_ids_stay_offline_unless_allowed(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_device_and_dtype_defaults() -> None:
     assert pick_device() == ("cuda" if torch.cuda.is_available() else "cpu")
-    cpu_default = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    assert resolve_dtype("auto", "cpu") == cpu_default
+    assert resolve_dtype("auto", "cpu") == torch.float32  # the torch engine's exact mode
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float32", "cuda") == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16", "cpu")
 
 
-def test_precision_defaults_per_machine() -> None:
-    """auto: bf16 where it is native, float16 weights on other AVX2 x86 CPUs, else float32;
-    float32 is always plain float32 (the exact mode)."""
-    auto = resolve_precision("auto", "cpu")
-    if cpu_has_native_bf16():
-        assert auto == Precision(torch.bfloat16)
-    else:
-        assert auto == Precision(torch.float32, fp16_weights=fp16_weights_supported())
-    assert resolve_precision("float32", "cpu") == Precision(torch.float32)
+def test_precision_defaults_per_device() -> None:
+    """auto: bf16 on CUDA, float32 (the exact mode) on every CPU, whatever it supports."""
+    assert resolve_precision("auto", "cpu") == Precision(torch.float32)
+    assert resolve_precision("bfloat16", "cpu") == Precision(torch.bfloat16)
     assert resolve_precision("auto", "cuda") == Precision(torch.bfloat16)
     with pytest.raises(ValueError, match="float16-weights"):
-        resolve_precision("float16-weights", "cuda")
-
-
-@pytest.mark.skipif(not fp16_weights_supported(), reason="needs FBGEMM on an AVX2 x86 CPU")
-def test_llama_engine_with_fp16_weights_tracks_float32(
-    tiny_target_model: LlamaForCausalLM,
-) -> None:
-    engine = LlamaEngine(tiny_target_model, fp16_weights=True)
-    assert engine.layout is WeightLayout.FBGEMM_FP16
-    assert resolve_precision("float16-weights", "cpu") == Precision(torch.float32, True)
-    sequence = _tokens(61, 40)
-    engine.open("s", sequence[:30])
-    (rows,) = engine.forward_new([("s", sequence[30:])])
-    assert rows.dtype == torch.float32
-    expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
-    # fp16 keeps 11 significant bits (bf16: 8), so it tracks float32 more closely than bf16.
-    assert 0.0 < _max_diff(torch.softmax(rows, -1), expected) <= 0.01
-    engine.restrict_head(range(0, 64))  # a draft's restricted head keeps the layout
-    assert engine.head.layout is WeightLayout.FBGEMM_FP16
-    with pytest.raises(ValueError, match="fp16 weights"):
-        LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16), fp16_weights=True)
-
-
-@pytest.mark.skipif(
-    not (fp16_weights_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="needs oneDNN bf16 and FBGEMM on an x86 CPU",
-)
-def test_bf16_engine_with_fp16_packings_for_few_rows_tracks_float32(
-    tiny_target_model: LlamaForCausalLM,
-) -> None:
-    half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
-    mixed = LlamaEngine(half, few_rows_fp16=True)
-    plain = LlamaEngine(half, few_rows_fp16=False, native_linear=False)
-    assert mixed.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16
-    assert plain.layout is WeightLayout.ONEDNN_BF16
-    sequence = _tokens(62, 40)
-    expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
-    for engine in (mixed, plain):
-        engine.open("s", sequence[:30])
-        # Decode steps of one row (FBGEMM in `mixed`), then a 6-row block (oneDNN in both).
-        steps = [engine.forward_new([("s", [t])])[0] for t in sequence[30:34]]
-        (block,) = engine.forward_new([("s", sequence[34:])])
-        rows = torch.softmax(torch.cat([*steps, block]), -1)
-        assert _max_diff(rows, expected) <= 0.05
-    # The same bf16 weights and inputs, both accumulated in float32: nearly the same products.
-    assert all(layer.qkv.few_rows is not None for layer in mixed.layers)
-    x = torch.randn(1, half.config.hidden_size, dtype=torch.bfloat16)
-    assert _max_diff(mixed.head(x).float(), plain.head(x).float()) <= 0.02
-    mixed.restrict_head(range(0, 64))  # a draft's restricted head keeps the layout
-    assert mixed.head.layout is WeightLayout.ONEDNN_BF16_FEW_ROWS_FP16
-    with pytest.raises(ValueError, match="few rows"):
-        LlamaEngine(tiny_target_model, few_rows_fp16=True)  # float32: not a bf16 model
+        resolve_precision("float16-weights", "cpu")
 
 
 # ---------------------------------------------------------------- LlamaEngine specifics
@@ -412,8 +350,8 @@ def test_torch_attention_over_padded_keys_equals_the_exact_length(
     it reads to a multiple of _TORCH_KEY_QUANTUM and masks the padding out: the rows are
     those of the exact keys (float32 here, padding forced on), for one-token steps, blocks
     and prompt chunks alike, and a session's key lengths come from a small set."""
-    exact = LlamaEngine(tiny_target_model, native_attention=False)
-    padded = LlamaEngine(tiny_target_model, native_attention=False)
+    exact = LlamaEngine(tiny_target_model)
+    padded = LlamaEngine(tiny_target_model)
     exact.pads_torch_keys, padded.pads_torch_keys = False, True
     sequences = [_tokens(70 + i, n) for i, n in enumerate((45, 90, 106, 171))]
     for news in (1, 5, 40):
@@ -463,7 +401,6 @@ def test_keep_rows_returns_only_the_trailing_rows(
 
 
 def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM) -> None:
-    import copy
 
     half = LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16))
     sequence = _tokens(60, 40)
@@ -472,30 +409,6 @@ def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM
     assert rows.dtype == torch.float32
     expected = torch.softmax(full_logits(tiny_target_model, sequence)[30:], -1)
     assert _max_diff(torch.softmax(rows, -1), expected) <= 0.05
-
-
-def test_row_buckets_bound_the_primitives_and_the_padding() -> None:
-    # AMX (16-row tiles): nothing below 16; AVX512-BF16 alone: powers of two below 16.
-    rows = [1, 2, 3, 5, 9, 16, 17, 33, 128, 129, 200, 513]
-    assert [_row_bucket(r) for r in rows] == [16, 16, 16, 16, 16, 16, 32, 48, 128, 192, 256, 1024]
-    assert [_row_bucket(r, 1) for r in rows[:7]] == [1, 2, 4, 8, 16, 16, 32]
-    assert all(r <= _row_bucket(r, 1) < 2 * r for r in range(1, 2000))
-    assert len({_row_bucket(r, 1) for r in range(1, 513)}) == 5 + 7 + 6
-
-
-def test_padded_rows_are_the_rows_the_products_compute(
-    tiny_target_model: LlamaForCausalLM,
-) -> None:
-    """What the cloud's prefill budget counts beside work (``PrefillBudget``)."""
-    exact = LlamaEngine(tiny_target_model)  # float32: F.linear on exactly the rows fed
-    assert [exact.padded_rows(r) for r in (0, 1, 3, 17)] == [0, 1, 3, 17]
-    half = copy.deepcopy(tiny_target_model).to(torch.bfloat16)
-    plain = LlamaEngine(half, few_rows_fp16=False, native_linear=False)
-    mixed = LlamaEngine(half, few_rows_fp16=True)
-    assert [plain.padded_rows(r) for r in (0, 17, 129)] == [0, 32, 192]
-    assert plain.padded_rows(3) == _row_bucket(3, _SMALL_BUCKETS_FROM)  # 16 on AMX, else 4
-    assert mixed.padded_rows(3) == 3  # FBGEMM's few-row products pad nothing
-    assert mixed.padded_rows(5) == _row_bucket(5, _SMALL_BUCKETS_FROM)
 
 
 def test_a_restricted_head_scores_its_tokens_and_nothing_else(

@@ -17,11 +17,11 @@ import torch
 from scipy import stats
 from transformers import LlamaForCausalLM
 
+from asymspec.sampling import SamplingParams, transform
 from asymspec_engine.draft import DraftModel
 from asymspec_engine.loading import session_lm
-from asymspec_engine.target import TargetModel
 from asymspec_engine.reference import GenerationResult, speculative_generate, target_generate
-from asymspec.sampling import SamplingParams, transform
+from asymspec_engine.target import TargetModel
 from tests.engine.conftest import (
     build_tiny_llama,
     feature_draft_lm,

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from asymspec.sampling import SamplingParams, sample, transform
 from asymspec_engine.loading import session_lm
 from asymspec_engine.target import (
     PrefillChunk,
@@ -16,7 +17,6 @@ from asymspec_engine.target import (
     fed_keys,
     fed_rows,
 )
-from asymspec.sampling import SamplingParams, sample, transform
 from tests.engine.conftest import TINY_VOCAB, full_logits
 
 GREEDY = SamplingParams(temperature=0.0)

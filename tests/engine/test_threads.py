@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asymspec_engine.hardware import colocated_threads
 from asymspec.modes import get_mode
+from asymspec_engine.hardware import colocated_threads
 from cloud_verifier.settings import CloudSettings
 from edge_gateway.settings import EdgeSettings
 
@@ -33,13 +33,13 @@ def test_services_read_the_shared_mode_for_the_split(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     cloud = CloudSettings(shared_secret="s" * 16)
     edge = EdgeSettings(shared_secret="s" * 16)
-    assert (cloud.resolved_torch_threads(), edge.resolved_torch_threads()) == (4, 1)
+    assert (cloud.resolved_threads(), edge.resolved_threads()) == (4, 1)
     monkeypatch.delenv("ASYMSPEC_MODE")
     monkeypatch.setenv("ASYMSPEC_EDGE_MODE", "draft-only")  # the edge knows its own mode
-    assert EdgeSettings(shared_secret="s" * 16).resolved_torch_threads() == 4
-    assert CloudSettings(shared_secret="s" * 16).resolved_torch_threads() == 3  # asymspec
-    monkeypatch.setenv("ASYMSPEC_CLOUD_TORCH_THREADS", "2")  # an explicit count wins
-    assert CloudSettings(shared_secret="s" * 16).resolved_torch_threads() == 2
+    assert EdgeSettings(shared_secret="s" * 16).resolved_threads() == 4
+    assert CloudSettings(shared_secret="s" * 16).resolved_threads() == 3  # asymspec
+    monkeypatch.setenv("ASYMSPEC_CLOUD_THREADS", "2")  # an explicit count wins
+    assert CloudSettings(shared_secret="s" * 16).resolved_threads() == 2
     monkeypatch.delenv("ASYMSPEC_COLOCATED")
-    monkeypatch.delenv("ASYMSPEC_CLOUD_TORCH_THREADS")
-    assert CloudSettings(shared_secret="s" * 16).resolved_torch_threads() is None
+    monkeypatch.delenv("ASYMSPEC_CLOUD_THREADS")
+    assert CloudSettings(shared_secret="s" * 16).resolved_threads() is None

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
+from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET
 from cloud_verifier.settings import CloudSettings
 from edge_gateway.settings import EdgeSettings
 

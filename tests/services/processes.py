@@ -90,7 +90,7 @@ def cloud_env(target: Path, port: int, **extra: str) -> dict[str, str]:
         "ASYMSPEC_CLOUD_SHARED_SECRET": SHARED_SECRET,
         "ASYMSPEC_CLOUD_TARGET_MODEL": str(target),
         "ASYMSPEC_CLOUD_PORT": str(port),
-        "ASYMSPEC_CLOUD_TORCH_THREADS": "1",
+        "ASYMSPEC_CLOUD_THREADS": "1",
         "ASYMSPEC_CLOUD_DTYPE": "float32",  # the exact mode: greedy output equals the target's
         **{f"ASYMSPEC_CLOUD_{k.upper()}": v for k, v in extra.items()},
     }
@@ -103,7 +103,7 @@ def edge_env(draft: Path, port: int, cloud_port: int, mode: str, **extra: str) -
         "ASYMSPEC_EDGE_DRAFT_MODEL": str(draft),
         "ASYMSPEC_EDGE_PORT": str(port),
         "ASYMSPEC_EDGE_CLOUD_URL": f"ws://127.0.0.1:{cloud_port}/v1/channel",
-        "ASYMSPEC_EDGE_TORCH_THREADS": "1",
+        "ASYMSPEC_EDGE_THREADS": "1",
         "ASYMSPEC_EDGE_DTYPE": "float32",
         # The tests check each mode's mechanism, so requests speculate throughout unless a
         # test turns the goodput pause on (the product's default)

@@ -12,11 +12,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from asymspec.actors import ActorDied
+from asymspec.modes import get_mode
+from asymspec.sampling import SamplingParams
 from asymspec_engine.draft import DraftModel, DraftRequest
 from asymspec_engine.loading import session_lm
 from asymspec_engine.target import TargetModel
-from asymspec.modes import get_mode
-from asymspec.sampling import SamplingParams
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from edge_gateway.app import EdgeState

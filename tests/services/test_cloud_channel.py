@@ -21,7 +21,6 @@ import websockets
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from asymspec_engine.feature_draft import features_from_wire
 from asymspec.sampling_params import SamplingParams
 from asymspec.wire import (
     BlockId,
@@ -37,6 +36,7 @@ from asymspec.wire import (
     VerifyResult,
     config_digest,
 )
+from asymspec_engine.feature_draft import features_from_wire
 from edge_gateway.channel import CloudChannel, CloudError
 from edge_gateway.metrics import EdgeMetrics
 from tests.engine.conftest import full_logits

@@ -14,7 +14,7 @@ from edge_gateway.settings import EdgeSettings
 
 @pytest.mark.parametrize("restrict", [True, False])
 def test_the_edge_restricts_the_draft_head_as_its_folder_says(restrict: bool) -> None:
-    settings = EdgeSettings(shared_secret="s" * 16, draft_head_vocab=restrict, torch_threads=1)
+    settings = EdgeSettings(shared_secret="s" * 16, draft_head_vocab=restrict, threads=1)
     draft, _ = load_draft(settings)
     assert isinstance(draft.lm, LlamaEngine)
     committed = read_head_vocab(COMMITTED_DRAFT_DIR)

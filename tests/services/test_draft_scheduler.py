@@ -13,11 +13,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from asymspec.modes import get_mode
+from asymspec.sampling import SamplingParams
 from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec_engine.hardware import resolve_precision
 from asymspec_engine.loading import load_session_lm, session_lm
-from asymspec.modes import get_mode
-from asymspec.sampling import SamplingParams
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.scheduler import DraftScheduler
 from tests.engine.conftest import build_tiny_llama

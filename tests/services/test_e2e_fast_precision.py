@@ -23,9 +23,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asymspec.sampling import SamplingParams, transform
 from asymspec_engine.hardware import cpu_has_native_bf16, fp16_weights_supported
 from asymspec_engine.llama import LlamaEngine
-from asymspec.sampling import SamplingParams, transform
 from tests.services.processes import Service, cloud_env, edge_env, free_port, running, running_all
 from tests.services.test_e2e import (
     PROMPT_IDS,

@@ -77,7 +77,7 @@ def test_cloud_settings_switch_threads_only_when_colocated_and_automatic(
     assert CloudSettings(shared_secret=secret).forward_threads() is None  # not colocated
     monkeypatch.setenv("ASYMSPEC_COLOCATED", "true")
     assert CloudSettings(shared_secret=secret).forward_threads() == ForwardThreads(3, 4)
-    monkeypatch.setenv("ASYMSPEC_CLOUD_TORCH_THREADS", "2")  # an explicit count is kept
+    monkeypatch.setenv("ASYMSPEC_CLOUD_THREADS", "2")  # an explicit count is kept
     assert CloudSettings(shared_secret=secret).forward_threads() is None
     assert ForwardThreads(1, 2).for_round(0, cloud_decodes_alone=False) == 2
     assert ForwardThreads(1, 2).for_round(1, cloud_decodes_alone=False) == 2

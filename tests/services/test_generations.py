@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from asymspec.actors import ActorDied
+from asymspec.wire import BlockId, ErrorCode, VerifyBlock, WireError
 from asymspec_engine.loading import session_lm
 from asymspec_engine.target import TargetModel
-from asymspec.wire import BlockId, ErrorCode, VerifyBlock, WireError
 from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session

@@ -51,7 +51,7 @@ def test_the_cloud_verifies_on_the_thread_that_loaded_its_target(
     target_dir, _ = save_tiny_pair(tmp_path)
     loaded_on: list[int] = []
     monkeypatch.setattr(cloud_app, "load_target", _noting_thread(cloud_app.load_target, loaded_on))
-    settings = CloudSettings(shared_secret="s" * 16, target_model=str(target_dir), torch_threads=1)
+    settings = CloudSettings(shared_secret="s" * 16, target_model=str(target_dir), threads=1)
     registry = CollectorRegistry()
     state = cloud_app.CloudState(settings, CloudMetrics.create(registry), registry)
 
@@ -82,7 +82,7 @@ def test_the_edge_drafts_on_the_thread_that_loaded_its_draft(
         draft_model=str(draft_dir),
         mode="draft-only",  # no cloud needed
         draft_head_vocab=False,
-        torch_threads=1,
+        threads=1,
     )
     state = edge_app.EdgeState(settings, EdgeMetrics.create(CollectorRegistry()))
 

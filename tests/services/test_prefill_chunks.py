@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from asymspec.wire import BlockId, VerifyBlock
 from asymspec_engine.target import (
     PrefillChunk,
     Round,
@@ -22,7 +23,6 @@ from asymspec_engine.target import (
     TargetModel,
     fed_rows,
 )
-from asymspec.wire import BlockId, VerifyBlock
 from cloud_verifier import batcher as batcher_module
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.forward_cost import PrefillBudget

@@ -14,6 +14,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from asymspec.correction import Rung
+from asymspec.sampling import SamplingParams
+from asymspec.wire import CorrectionKind, SamplingConfig
 from asymspec_engine.feature_draft import save_fc
 from asymspec_engine.loading import session_lm
 from asymspec_engine.target import (
@@ -23,9 +26,6 @@ from asymspec_engine.target import (
     StepRequest,
     TargetModel,
 )
-from asymspec.correction import Rung
-from asymspec.sampling import SamplingParams
-from asymspec.wire import CorrectionKind, SamplingConfig
 from cloud_verifier.sessions import Session
 from tests.engine.conftest import build_tiny_llama, feature_copy, noisy_copy
 

@@ -1,0 +1,319 @@
+"""The llama.cpp engine: GGUF models on CPUs, through llama.cpp's C API.
+
+llama.cpp is the maintained CPU inference engine of the field (quantised GGUF weights,
+kernels for every x86 instruction set from AVX2 to AMX, picked when it is built), so this
+engine is a thin owner of one llama.cpp context and nothing of the forward itself:
+
+- **a KV stream per session**: a session is a llama.cpp sequence id with its own stream of
+  ``session_tokens`` cells (llama.cpp's non-unified cache, as ``llama-server -np N`` runs),
+  so each session's attention reads its own cells only. A unified cache (one pool for all
+  sessions) attends over every session's cells with a mask: a 16-session verify of 5
+  tokens each took twice as long with it here;
+- **one ``llama_decode`` per round**: every session's new tokens go into one batch, each
+  token tagged with its session's sequence id and position, whatever their lengths
+  (llama.cpp masks each sequence's attention to its own cells);
+- **logits only where asked**: a token's ``logits`` flag is set only for the trailing
+  ``keep_rows`` of its item, so the LM head runs on those rows only, and they come back
+  as one contiguous float32 block;
+- **rollback** is ``llama_memory_seq_rm`` from the kept length on; closing a session
+  removes all its cells.
+
+Sampling never happens here: the float32 rows go to the project's own sampling code
+(acceptance, recovery and the transforms must see exactly the rows both sides use).
+
+llama.cpp quantises activations for its quantised products, and the rows a forward
+computes depend on how its batch is split, so a γ+1-row verify and a one-row decode step
+can round a near-tie apart: acceptance stays exact with respect to the p computed, but
+greedy output may differ from target-only's where two logits tie to within that rounding.
+The torch engine in float32 is the exact reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asymspec_engine.engine import NewTokens
+
+log = logging.getLogger("asymspec.engine")
+
+# The file a prepared model folder holds for this engine, and its quantisation: Q8_0 was the
+# fastest at 16 sessions and within a rounding of the embedded target's Q4_1 weights.
+ENGINE_QUANT = "q8_0"
+ENGINE_GGUF = f"model.{ENGINE_QUANT}.gguf"
+LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids per context
+_backend_lock = threading.Lock()
+_log_callback_ref: object = None  # llama.cpp keeps the C pointer: keep its Python object alive
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama.cpp's Python bindings import (``make install`` builds them)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # ggml's levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Only warnings and
+    # errors reach our log: llama.cpp prints every tensor it loads otherwise.
+    if level in (3, 4):
+        log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+
+def bindings() -> Any:
+    """The low-level ctypes module, with the backend initialised once per process."""
+    global _log_callback_ref
+    import llama_cpp
+
+    with _backend_lock:
+        if _log_callback_ref is None:
+            _log_callback_ref = llama_cpp.llama_log_callback(_log_line)
+            llama_cpp.llama_log_set(_log_callback_ref, ctypes.c_void_p())
+            llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+@dataclass
+class _Session:
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LlamaCppEngine:
+    """Per-session sequences in one llama.cpp context; one decode per batched forward.
+
+    Not thread-safe: one owner (the edge scheduler, the cloud batcher) drives it, as
+    llama.cpp's own contexts require.
+    """
+
+    name = "llama.cpp"
+    restricts_head = False  # its LM head scores the whole vocabulary
+    hidden_size = 0  # hidden states are not asked of it (a feature draft runs on torch)
+
+    def restrict_head(self, token_ids: Sequence[int]) -> None:
+        raise NotImplementedError("the llama.cpp engine scores the whole vocabulary")
+
+    def __init__(
+        self,
+        gguf_path: str | Path,
+        threads: int = 1,
+        max_sessions: int = 16,
+        session_tokens: int = 4096,
+        batch_tokens: int = 2048,
+        micro_batch_tokens: int = 512,
+    ) -> None:
+        """``max_sessions``: sessions open at once (each a KV stream); ``session_tokens``:
+        the most tokens a session holds (at most the model's trained context);
+        ``batch_tokens``: the most tokens one ``llama_decode`` takes (longer prefills go in
+        several); ``micro_batch_tokens``: llama.cpp's physical batch (it splits larger ones)."""
+        if not 1 <= max_sessions <= LLAMA_MAX_SEQ:
+            raise ValueError(f"max_sessions must be 1..{LLAMA_MAX_SEQ}, got {max_sessions}")
+        lib = bindings()
+        self._lib = lib
+        self.path = Path(gguf_path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no GGUF model at {self.path}")
+        model_params = lib.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path}")
+        trained = int(lib.llama_model_n_ctx_train(self._model))
+        self.session_tokens = min(session_tokens, trained) if trained > 0 else session_tokens
+        params = lib.llama_context_default_params()
+        params.n_ctx = max_sessions * self.session_tokens
+        params.n_batch = batch_tokens
+        params.n_ubatch = min(micro_batch_tokens, batch_tokens)
+        params.n_seq_max = max_sessions
+        params.kv_unified = False
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.no_perf = True
+        self._ctx = lib.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            raise ValueError(f"llama.cpp could not create a context for {self.path}")
+        self._memory = lib.llama_get_memory(self._ctx)
+        vocab = lib.llama_model_get_vocab(self._model)
+        self._vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        self.max_sessions: int | None = max_sessions
+        self.batch_tokens = batch_tokens
+        self._threads = threads
+        self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
+        self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
+        self._sessions: dict[str, _Session] = {}
+        self.forward_calls = 0
+        log.info(
+            "llama.cpp engine: %s, %d sessions of up to %d tokens, %d threads",
+            self.path.name,
+            max_sessions,
+            self.session_tokens,
+            threads,
+        )
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    # ------------------------------------------------------------------ sessions
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    def set_threads(self, threads: int) -> None:
+        """Threads for the next forwards (the cloud changes them per round, colocated)."""
+        if threads != self._threads:
+            self._lib.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads = threads
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def length(self, session_id: str) -> int:
+        return len(self._session(session_id).token_ids)
+
+    def token_ids(self, session_id: str) -> list[int]:
+        return list(self._session(session_id).token_ids)
+
+    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Start a session and prefill ``token_ids`` (may be empty); the logits [V] after
+        the last token, None for an empty prefill."""
+        if session_id in self._sessions:
+            raise KeyError(f"session {session_id!r} is already open")
+        if not self._free_seq_ids:
+            raise RuntimeError(f"the engine holds at most {self.max_sessions} sessions at once")
+        self._sessions[session_id] = _Session(self._free_seq_ids.pop())
+        if not token_ids:
+            return None
+        try:
+            last: torch.Tensor | None = None
+            for start in range(0, len(token_ids), self.batch_tokens):
+                chunk = token_ids[start : start + self.batch_tokens]
+                last_chunk = start + self.batch_tokens >= len(token_ids)
+                rows = self.forward_new([(session_id, chunk)], keep_rows=[int(last_chunk)])
+                last = rows[0][-1] if last_chunk else None
+            return last
+        except BaseException:
+            self.close(session_id)  # a failed prefill leaves no half-open session
+            raise
+
+    def close(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)  # idempotent
+        if session is not None:
+            self._lib.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+            self._free_seq_ids.append(session.seq_id)
+
+    def truncate(self, session_id: str, new_length: int) -> None:
+        """Roll back to the first ``new_length`` tokens (a confirmed prefix)."""
+        session = self._session(session_id)
+        if not 0 <= new_length <= len(session.token_ids):
+            raise ValueError(
+                f"cannot truncate a {len(session.token_ids)}-token session to {new_length}"
+            )
+        if new_length < len(session.token_ids):
+            if not self._lib.llama_memory_seq_rm(self._memory, session.seq_id, new_length, -1):
+                raise RuntimeError(f"llama.cpp could not roll {session_id!r} back")
+            del session.token_ids[new_length:]
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_new(
+        self, batch: Sequence[NewTokens], keep_rows: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """One ``llama_decode`` over many sessions; appends each item's new tokens to its
+        session. Returns per item the float32 logits [keep_rows[b], V] of its last rows
+        (default: all); the last row predicts the token after the item's last new token."""
+        if not batch:
+            return []
+        if len({session_id for session_id, _ in batch}) != len(batch):
+            raise ValueError("a session appears twice in one batch")
+        counts = [len(new_ids) for _, new_ids in batch]
+        keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
+        sessions = [self._session(session_id) for session_id, _ in batch]
+        for (session_id, _), n_new, keep in zip(batch, counts, keeps, strict=True):
+            if n_new == 0:
+                raise ValueError(f"session {session_id!r}: no new tokens to forward")
+            if not 0 <= keep <= n_new:
+                raise ValueError(f"session {session_id!r}: keep {keep} of {n_new} rows")
+            if len(self._sessions[session_id].token_ids) + n_new > self.session_tokens:
+                raise ValueError(
+                    f"session {session_id!r}: {len(self._sessions[session_id].token_ids) + n_new}"
+                    f" positions exceed the engine's {self.session_tokens} per session"
+                )
+        total = sum(counts)
+        if total > self.batch_tokens:
+            raise ValueError(f"{total} tokens in one forward; the engine takes {self.batch_tokens}")
+        self._fill_batch(batch, sessions, counts, keeps)
+        status = self._lib.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            # 1: no free KV cells; the cache is as before the call (llama.h)
+            raise RuntimeError(f"llama_decode returned {status}")
+        for session, (_, new_ids) in zip(sessions, batch, strict=True):
+            session.token_ids.extend(int(t) for t in new_ids)
+        self.forward_calls += 1
+        n_out = sum(keeps)
+        if n_out == 0:
+            empty = torch.empty((0, self._vocab_size), dtype=torch.float32)
+            return [empty for _ in batch]
+        pointer = self._lib.llama_get_logits(self._ctx)
+        rows = np.ctypeslib.as_array(pointer, shape=(n_out, self._vocab_size))
+        logits = torch.from_numpy(rows.copy())  # [n_out, V]: llama.cpp reuses its buffer
+        return list(logits.split(keeps))
+
+    def _fill_batch(
+        self,
+        batch: Sequence[NewTokens],
+        sessions: list[_Session],
+        counts: list[int],
+        keeps: list[int],
+    ) -> None:
+        """Lay every item's tokens end to end in the reusable llama_batch."""
+        total = sum(counts)
+        b = self._batch
+        tokens = np.ctypeslib.as_array(b.token, shape=(self.batch_tokens,))
+        positions = np.ctypeslib.as_array(b.pos, shape=(self.batch_tokens,))
+        n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.batch_tokens,))
+        wants = np.ctypeslib.as_array(b.logits, shape=(self.batch_tokens,))
+        row = 0
+        for (_, new_ids), session, n_new, keep in zip(batch, sessions, counts, keeps, strict=True):
+            start = len(session.token_ids)
+            tokens[row : row + n_new] = new_ids
+            positions[row : row + n_new] = np.arange(start, start + n_new)
+            wants[row : row + n_new - keep] = 0
+            wants[row + n_new - keep : row + n_new] = 1
+            for i in range(row, row + n_new):
+                b.seq_id[i][0] = session.seq_id
+            row += n_new
+        n_seq[:total] = 1
+        b.n_tokens = total

@@ -1,0 +1,174 @@
+"""The llama.cpp engine on a tiny Llama written as GGUF: the same rows as the torch float32
+reference (to llama.cpp's float16 KV cache), ragged batches equal to one session at a
+time, rollback, session capacity, and the engine choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asymspec_engine.gguf_export import export_llama, quantize
+from asymspec_engine.llamacpp import ENGINE_GGUF, LlamaCppEngine
+from asymspec_engine.loading import EngineOptions, choose_engine, find_gguf, load_session_lm
+from tests.engine.conftest import full_logits
+from tests.services.tiny_models import save_tiny_pair
+
+# float16 keys and values in llama.cpp's cache against float32 in torch's
+TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_pair: tuple[Path, Path]) -> Path:
+    target_dir, _ = tiny_pair
+    out = target_dir.parent / "target.f32.gguf"
+    export_llama(target_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair: tuple[Path, Path]) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+
+
+def _engine(path: Path, **kwargs: int) -> LlamaCppEngine:
+    return LlamaCppEngine(path, threads=1, **kwargs)
+
+
+def _tokens(seed: int, n: int, vocab: int = 200) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=generator).tolist()
+
+
+def test_the_gguf_export_computes_the_checkpoints_logits(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    lm = _engine(tiny_gguf)
+    sequence = _tokens(1, 40)
+    last = lm.open("s", sequence[:30])
+    assert last is not None and last.dtype == torch.float32
+    expected = full_logits(reference, sequence)
+    assert (last - expected[29]).abs().max() <= TOLERANCE
+    (rows,) = lm.forward_new([("s", sequence[30:])])
+    assert rows.shape == (10, lm.vocab_size)
+    assert (rows - expected[30:]).abs().max() <= TOLERANCE
+    assert lm.length("s") == 40 and lm.token_ids("s") == sequence
+    assert lm.forward_calls == 2
+
+
+def test_a_ragged_batch_equals_each_session_alone(tiny_gguf: Path) -> None:
+    batched, alone = _engine(tiny_gguf), _engine(tiny_gguf)
+    prompts = [_tokens(2, 7), _tokens(3, 19), _tokens(4, 2)]
+    news = [_tokens(5, 5), _tokens(6, 1), _tokens(7, 3)]
+    for i, prompt in enumerate(prompts):
+        batched.open(f"s{i}", prompt)
+        alone.open(f"s{i}", prompt)
+    keep = [5, 1, 2]
+    rows = batched.forward_new([(f"s{i}", new) for i, new in enumerate(news)], keep_rows=keep)
+    for i, (new, k) in enumerate(zip(news, keep, strict=True)):
+        (single,) = alone.forward_new([(f"s{i}", new)], keep_rows=[k])
+        assert rows[i].shape == (k, batched.vocab_size)
+        assert (rows[i] - single).abs().max() <= TOLERANCE
+
+
+def test_keep_rows_zero_caches_without_logits(tiny_gguf: Path, reference: torch.nn.Module) -> None:
+    lm = _engine(tiny_gguf)
+    sequence = _tokens(8, 30)
+    lm.open("a", [])
+    (chunk,) = lm.forward_new([("a", sequence[:20])], keep_rows=[0])
+    assert chunk.shape == (0, lm.vocab_size)
+    (rows,) = lm.forward_new([("a", sequence[20:])], keep_rows=[1])
+    assert (rows[0] - full_logits(reference, sequence)[-1]).abs().max() <= TOLERANCE
+
+
+def test_truncate_then_continue_equals_recompute(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    lm = _engine(tiny_gguf)
+    prompt, rejected, accepted = _tokens(9, 12), _tokens(10, 4), _tokens(11, 3)
+    lm.open("s", prompt)
+    lm.forward_new([("s", rejected)])
+    lm.truncate("s", len(prompt))  # the rejected block's cells are gone
+    (rows,) = lm.forward_new([("s", accepted)])
+    expected = full_logits(reference, prompt + accepted)[len(prompt) :]
+    assert (rows - expected).abs().max() <= TOLERANCE
+    with pytest.raises(ValueError, match="truncate"):
+        lm.truncate("s", 100)
+    lm.truncate("s", 0)
+    assert lm.length("s") == 0
+    (again,) = lm.forward_new([("s", prompt)], keep_rows=[1])
+    assert (again[0] - full_logits(reference, prompt)[-1]).abs().max() <= TOLERANCE
+
+
+def test_sessions_are_bounded_and_a_close_frees_one(tiny_gguf: Path) -> None:
+    lm = _engine(tiny_gguf, max_sessions=2, session_tokens=64)
+    assert lm.max_sessions == 2 and lm.restricts_head is False and lm.hidden_size == 0
+    lm.open("a", _tokens(12, 4))
+    lm.open("b", _tokens(13, 4))
+    with pytest.raises(RuntimeError, match="at most 2 sessions"):
+        lm.open("c", _tokens(14, 4))
+    assert lm.sessions() == 2
+    lm.close("a")
+    lm.close("a")  # idempotent
+    lm.open("c", _tokens(14, 4))
+    with pytest.raises(ValueError, match="exceed"):
+        lm.forward_new([("c", _tokens(15, 61))])  # 65 > 64 positions
+    assert lm.length("c") == 4  # refused before touching the cache
+
+
+def test_bad_batches_fail_before_touching_state(tiny_gguf: Path) -> None:
+    lm = _engine(tiny_gguf)
+    lm.open("a", _tokens(16, 3))
+    with pytest.raises(ValueError, match="twice"):
+        lm.forward_new([("a", [5]), ("a", [6])])
+    with pytest.raises(ValueError, match="no new tokens"):
+        lm.forward_new([("a", [])])
+    with pytest.raises(KeyError):
+        lm.forward_new([("a", [5]), ("missing", [6])])
+    with pytest.raises(KeyError, match="already open"):
+        lm.open("a", [1])
+    assert lm.length("a") == 3
+    with pytest.raises(NotImplementedError):
+        lm.restrict_head([1, 2])
+
+
+def test_q8_0_stays_close_to_the_float32_file(tiny_gguf: Path) -> None:
+    quantized = tiny_gguf.parent / "target.q8_0.gguf"
+    quantize(tiny_gguf, quantized, "q8_0")
+    assert quantized.stat().st_size < tiny_gguf.stat().st_size
+    full, q8 = _engine(tiny_gguf), _engine(quantized)
+    prompt = _tokens(17, 25)
+    p_full = torch.softmax(full.open("s", prompt), -1)  # type: ignore[arg-type]
+    p_q8 = torch.softmax(q8.open("s", prompt), -1)  # type: ignore[arg-type]
+    assert 0.5 * float((p_full - p_q8).abs().sum()) < 0.05  # total variation
+
+
+def test_the_engine_choice_follows_the_files_and_the_setting(
+    tiny_pair: tuple[Path, Path], tiny_gguf: Path
+) -> None:
+    target_dir, draft_dir = tiny_pair
+    assert find_gguf(str(target_dir)) is None  # the checkpoint folder has no GGUF yet
+    assert choose_engine("auto", str(target_dir), "cpu").name == "torch"
+    assert choose_engine("auto", str(tiny_gguf), "cpu").name == "llama.cpp"
+    assert choose_engine("auto", str(tiny_gguf), "cuda").name == "torch"
+    assert choose_engine("torch", str(tiny_gguf), "cpu").reason == "asked for"
+    with pytest.raises(ValueError, match="no GGUF"):
+        choose_engine("llama.cpp", str(draft_dir), "cpu")
+    with pytest.raises(ValueError, match="engine must be"):
+        choose_engine("vllm", str(draft_dir), "cpu")
+    folder = target_dir.parent / "with-gguf"
+    folder.mkdir()
+    for path in target_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / ENGINE_GGUF).write_bytes(tiny_gguf.read_bytes())
+    assert find_gguf(str(folder)) == folder / ENGINE_GGUF
+    lm, tokenizer = load_session_lm(str(folder), EngineOptions(device="cpu", max_sessions=3))
+    assert lm.name == "llama.cpp" and lm.max_sessions == 3
+    assert lm.vocab_size == len(tokenizer)
