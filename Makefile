@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install models prometheus run test test-fast lint bench sizes dashboard load soak compose-check clean
+.PHONY: install models prometheus run test test-fast lint bench bench-cpu llama-server sizes dashboard load soak compose-check clean
 
 # llama.cpp (llama-cpp-python's sdist) compiled for this CPU's instruction sets, without
 # the multimodal library; override LLAMA_CMAKE_ARGS for another build (CUDA, portable).
@@ -70,3 +70,6 @@ $(LLAMA_SERVER): $(STAMP)
 	scripts/build_llama_server.sh $(LLAMA_SRC)
 
 llama-server: $(LLAMA_SERVER)
+
+bench-cpu: install $(LLAMA_SERVER)  # make run beside llama-server on the same GGUF, C = 1 and 16
+	$(BIN)/python -m loadtest.bench_cpu $(BENCH_ARGS)

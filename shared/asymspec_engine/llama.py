@@ -423,7 +423,7 @@ class LlamaEngine(SessionTable[_Session]):
         # Fold each KV head's query group into the query axis, [1, H_kv, g n, D]: CPU flash
         # attention runs that ~1.5-2x faster than with enable_gqa for several queries, and
         # 4-6x faster in bf16 for one (on an AVX512-BF16 EPYC 94 against 24 us at 100
-        # positions; scripts/forward_cost.py). Masks are folded alike; one query sees its
+        # positions). Masks are folded alike; one query sees its
         # whole prefix and needs none.
         q = qk[:, :h_q].transpose(0, 1)  # [H, n, D]
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,238 @@
+"""CPU serving beside llama.cpp's own server: ``make run`` against ``llama-server`` on the
+same GGUF file, with one streaming chat client, in one run.
+
+    .venv/bin/python -m loadtest.bench_cpu [--concurrency 1 16] [--rounds 2]
+        [--out loadtest/results/bench-cpu]
+
+``make bench-cpu`` builds ``llama-server`` from the llama.cpp source the engine is built
+from (``scripts/build_llama_server.sh``) and runs this. Servers, in turn, ``--rounds`` times
+(interleaved, because machines here are noisy): ``llama-server -np 16`` on the embedded
+target's prepared GGUF with its default threads; ``make run`` (``scripts/run_local.sh``,
+its defaults) in ``target-only`` mode and in ``asymspec`` mode. Each streams chat
+completions (everyday chat and held-out code prompts, 64 tokens, T = 0.7, seeded) at each
+concurrency; the figure is completion tokens per second of wall time, and the ratios are
+to llama-server's median at the same concurrency. Results: ``results.json`` (every run,
+the machine's CPU model, flags and threads, the engine and its file) and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from asymspec.prompts import chat_prompts, code_as_chat, humaneval_prompts
+from asymspec_engine.embedded import EMBEDDED_TARGET
+from asymspec_engine.hardware import machine_facts
+from asymspec_engine.llamacpp import ENGINE_GGUF
+from asymspec_engine.loading import resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = REPO / ".cache/llama-cpp-python/build/bin/llama-server"
+EDGE_PORT, CLOUD_PORT, LLAMA_PORT = 18000, 18001, 18080
+SECRET = "bench-cpu-secret"
+SLOTS = 16  # llama-server's parallel slots, as make run's engine holds 16 sessions
+
+
+def workload(requests: int) -> list[list[dict[str, str]]]:
+    """Chat prompts and held-out code-as-chat prompts, interleaved, cycled to ``requests``."""
+    chats = chat_prompts()
+    codes = [code_as_chat(p) for p in humaneval_prompts("heldout")[: len(chats)]]
+    mixed = [m for pair in zip(chats, codes, strict=True) for m in pair]
+    return [mixed[i % len(mixed)] for i in range(requests)]
+
+
+class Server:
+    """One server under test in its own process group, stopped as a whole."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path):
+        self.name, self.port = name, port
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def target_gguf() -> Path:
+    return Path(resolve_model(EMBEDDED_TARGET)) / ENGINE_GGUF
+
+
+def llama_server(log_dir: Path) -> Server:
+    argv = [
+        str(LLAMA_SERVER), "-m", str(target_gguf()), "-np", str(SLOTS),
+        "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(LLAMA_PORT),
+    ]  # fmt: skip
+    return Server("llama-server", argv, {}, LLAMA_PORT, log_dir / "llama-server.log")
+
+
+def make_run(mode: str, log_dir: Path) -> Server:
+    env = {
+        "ASYMSPEC_MODE": mode,
+        "ASYMSPEC_EDGE_PORT": str(EDGE_PORT),
+        "ASYMSPEC_CLOUD_PORT": str(CLOUD_PORT),
+        "ASYMSPEC_SHARED_SECRET": SECRET,
+    }
+    return Server(mode, ["bash", "scripts/run_local.sh"], env, EDGE_PORT, log_dir / f"{mode}.log")
+
+
+async def one_chat(
+    client: httpx.AsyncClient, messages: list[dict[str, str]], seed: int, max_tokens: int
+) -> dict[str, float]:
+    body = {
+        "model": "asymspec", "messages": messages, "max_tokens": max_tokens,
+        "temperature": 0.7, "seed": seed, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = pieces = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                first = first or time.perf_counter()
+                pieces += 1
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    done = time.perf_counter()
+    return {
+        "ttft_s": (first or done) - started,
+        "e2e_s": done - started,
+        "tokens": tokens or pieces,
+    }
+
+
+async def drive(
+    port: int, requests: list[list[dict[str, str]]], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=900) as client:
+
+        async def limited(i: int, messages: list[dict[str, str]]) -> dict[str, float]:
+            async with limit:
+                return await one_chat(client, messages, i, max_tokens)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(limited(i, m) for i, m in enumerate(requests)))
+        wall_s = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "completion_tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "throughput_tok_s": round(tokens / wall_s, 2),
+        "ttft_p50_s": round(statistics.median(r["ttft_s"] for r in results), 3),
+    }
+
+
+def summary(rows: list[dict[str, Any]], servers: list[str], levels: list[int]) -> str:
+    def median(server: str, c: int) -> float:
+        return statistics.median(
+            r["throughput_tok_s"] for r in rows if r["server"] == server and r["concurrency"] == c
+        )
+
+    lines = ["| server | C | tok/s (median) | vs llama-server |", "|---|---|---|---|"]
+    for server in servers:
+        for c in levels:
+            ratio = median(server, c) / median("llama-server", c)
+            lines.append(f"| {server} | {c} | {median(server, c):.1f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=2, help="each server this many times")
+    parser.add_argument("--requests-per-slot", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=REPO / "loadtest/results/bench-cpu")
+    args = parser.parse_args()
+    if not LLAMA_SERVER.is_file():
+        parser.error(f"{LLAMA_SERVER} is missing: run `make llama-server` first")
+    args.out.mkdir(parents=True, exist_ok=True)
+    starts = {
+        "llama-server": lambda: llama_server(args.out),
+        "make run target-only": lambda: make_run("target-only", args.out),
+        "make run asymspec": lambda: make_run("asymspec", args.out),
+    }
+    rows: list[dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for name, start in starts.items():
+            server = start()
+            try:
+                server.wait_ready()
+                asyncio.run(drive(server.port, workload(2), 2, 8))  # warm-up, not measured
+                for c in args.concurrency:
+                    requests = max(args.min_requests, args.requests_per_slot * c)
+                    row = {"server": name, "round": round_index}
+                    row |= asyncio.run(drive(server.port, workload(requests), c, args.max_tokens))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            finally:
+                server.stop()
+    facts = {
+        **machine_facts(),
+        "engine": "llama.cpp",
+        "gguf": f"{target_gguf().name} (Q8_0, the embedded target)",
+        "llama_server": f"-np {SLOTS}, default threads ({os.cpu_count()})",
+        "make_run_threads": "colocated: cloud 1 (every core while it decodes alone), edge 1",
+    }
+    config = {k: str(v) for k, v in vars(args).items() if k != "out"}
+    table = summary(rows, list(starts), args.concurrency)
+    command = "make bench-cpu  # .venv/bin/python -m loadtest.bench_cpu"
+    (args.out / "results.json").write_text(
+        json.dumps({"command": command, "machine": facts, "config": config, "rows": rows}, indent=1)
+    )
+    (args.out / "results.md").write_text(
+        f"`{command}`\n\nmachine: {json.dumps(facts)}\n\n{table}\n"
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""One target forward's cost per engine: the shapes the cloud runs, side by side.
+
+    .venv/bin/python -m loadtest.forward_cost [--threads 2] [--repeats 7]
+        [--out loadtest/results/forward-cost]
+
+Engines on the embedded target: llama.cpp on the prepared Q8_0 file and on the shipped Q4_1
+file, and the torch engine in float32 (the exact reference). Shapes: one session's decode
+step (1 x 1), sixteen sessions' decode steps (16 x 1), sixteen γ = 4 verify blocks (16 x 5)
+over 300-token prefixes, and a 1,024-token prefill. Each figure is the median of
+``--repeats`` forwards (rolled back between them); engines take turns per shape, because
+machines here are noisy. Results: ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asymspec_engine.embedded import EMBEDDED_TARGET
+from asymspec_engine.engine import SessionLM
+from asymspec_engine.hardware import machine_facts
+from asymspec_engine.llama import LlamaEngine
+from asymspec_engine.llamacpp import ENGINE_GGUF, LlamaCppEngine
+from asymspec_engine.loading import load_causal_lm, resolve_model
+from asymspec_engine.prepare import gguf_path
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX_TOKENS = 300
+SHAPES = {"1 x 1": (1, 1), "16 x 1": (16, 1), "16 x 5": (16, 5)}
+PREFILL_TOKENS = 1024
+
+
+def engines(threads: int) -> dict[str, Callable[[], SessionLM]]:
+    folder = Path(resolve_model(EMBEDDED_TARGET))
+
+    def torch_engine() -> SessionLM:
+        torch.set_num_threads(threads)
+        model, _ = load_causal_lm(EMBEDDED_TARGET, "cpu", torch.float32)
+        return LlamaEngine(model)
+
+    return {
+        "llama.cpp Q8_0": lambda: LlamaCppEngine(folder / ENGINE_GGUF, threads, max_sessions=17),
+        "llama.cpp Q4_1": lambda: LlamaCppEngine(gguf_path(), threads, max_sessions=17),
+        "torch float32": torch_engine,
+    }
+
+
+def timed(lm: SessionLM, sessions: int, new: int, repeats: int) -> float:
+    """Median seconds of a forward of ``new`` tokens for each of ``sessions`` sessions."""
+    batch = [(f"s{i}", [100 + (i + j) % 500 for j in range(new)]) for i in range(sessions)]
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        lm.forward_new(batch, keep_rows=[new] * sessions)
+        seconds.append(time.perf_counter() - started)
+        for i in range(sessions):
+            lm.truncate(f"s{i}", PREFIX_TOKENS)
+    return statistics.median(seconds)
+
+
+def prefill_rate(lm: SessionLM, repeats: int) -> float:
+    """Tokens per second of a ``PREFILL_TOKENS`` prompt in one forward."""
+    prompt = [100 + j % 1000 for j in range(PREFILL_TOKENS)]
+    seconds = []
+    for _ in range(max(1, repeats // 2)):
+        lm.open("prefill", [])
+        started = time.perf_counter()
+        lm.forward_new([("prefill", prompt)], keep_rows=[1])
+        seconds.append(time.perf_counter() - started)
+        lm.close("prefill")
+    return PREFILL_TOKENS / statistics.median(seconds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=REPO / "loadtest/results/forward-cost")
+    args = parser.parse_args()
+    loaded = {name: start() for name, start in engines(args.threads).items()}
+    prefix = [100 + j % 400 for j in range(PREFIX_TOKENS)]
+    for lm in loaded.values():
+        for i in range(16):
+            lm.open(f"s{i}", prefix)
+    rows: list[dict[str, Any]] = []
+    for shape, (sessions, new) in SHAPES.items():
+        for name, lm in loaded.items():
+            ms = 1e3 * timed(lm, sessions, new, args.repeats)
+            rows.append({"engine": name, "shape": shape, "ms": round(ms, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    for name, lm in loaded.items():
+        rows.append({"engine": name, "shape": "prefill", "tok_s": round(prefill_rate(lm, 4))})
+        print(json.dumps(rows[-1]), flush=True)
+    names = list(loaded)
+    lines = ["| forward | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for shape in [*SHAPES, "prefill"]:
+        cells = []
+        for name in names:
+            row = next(r for r in rows if r["engine"] == name and r["shape"] == shape)
+            cells.append(f"{row['ms']} ms" if "ms" in row else f"{row['tok_s']} tok/s")
+        label = (
+            f"{shape} ({PREFIX_TOKENS}-token prefixes)"
+            if shape != "prefill"
+            else (f"prefill of {PREFILL_TOKENS} tokens")
+        )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    facts = {**machine_facts(), "threads": args.threads}
+    command = f".venv/bin/python -m loadtest.forward_cost --threads {args.threads}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(
+        json.dumps({"command": command, "machine": facts, "rows": rows}, indent=1)
+    )
+    table = "\n".join(lines)
+    (args.out / "results.md").write_text(
+        f"`{command}`\n\nmachine: {json.dumps(facts)}\n\n{table}\n"
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
