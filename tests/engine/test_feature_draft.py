@@ -22,7 +22,7 @@ from asymspec_engine.feature_draft import (
     load_fc,
 )
 from asymspec_engine.hardware import resolve_precision
-from asymspec_engine.loading import load_session_lm
+from asymspec_engine.loading import EngineOptions, load_session_lm
 from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -89,7 +89,9 @@ def feature_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load_feature_lm(folder: Path) -> FeatureLM:
-    lm, _ = load_session_lm(str(folder), "cpu", resolve_precision("float32", "cpu"))
+    lm, _ = load_session_lm(
+        str(folder), EngineOptions(device="cpu", precision=resolve_precision("float32", "cpu"))
+    )
     assert isinstance(lm, FeatureLM)
     return lm
 

@@ -104,7 +104,7 @@ def test_a_committed_feature_draft_is_assembled_with_the_targets_embedding(
 
     from asymspec_engine.feature_draft import FeatureLM, save_fc
     from asymspec_engine.hardware import resolve_precision
-    from asymspec_engine.loading import load_session_lm
+    from asymspec_engine.loading import EngineOptions, load_session_lm
     from tests.engine.conftest import build_tiny_llama, feature_copy
     from tests.services.tiny_models import build_tokenizer
 
@@ -134,7 +134,9 @@ def test_a_committed_feature_draft_is_assembled_with_the_targets_embedding(
     assert (out / "tokenizer.json").read_bytes() == (
         tmp_path / "target/tokenizer.json"
     ).read_bytes()
-    lm, _ = load_session_lm(str(out), "cpu", resolve_precision("float32", "cpu"))
+    lm, _ = load_session_lm(
+        str(out), EngineOptions(device="cpu", precision=resolve_precision("float32", "cpu"))
+    )
     assert isinstance(lm, FeatureLM)
     assert torch.equal(lm.engine.embed, embed)
     assert torch.equal(lm.fc.weight, fc.to(torch.bfloat16).float())

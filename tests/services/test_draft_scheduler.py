@@ -17,7 +17,7 @@ from asymspec.modes import get_mode
 from asymspec.sampling import SamplingParams
 from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec_engine.hardware import resolve_precision
-from asymspec_engine.loading import load_session_lm, session_lm
+from asymspec_engine.loading import EngineOptions, load_session_lm, session_lm
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.scheduler import DraftScheduler
 from tests.engine.conftest import build_tiny_llama
@@ -94,7 +94,9 @@ def test_a_feature_drafts_chunks_read_their_slices_of_the_prompts_features(
     pending_features = torch.randn((1, 64), generator=generator)  # h_79, for x_80
 
     async def run(chunk_tokens: int) -> Draft:
-        lm, _ = load_session_lm(str(folder), "cpu", precision)
+        lm, _ = load_session_lm(
+            str(folder), EngineOptions(engine="torch", device="cpu", precision=precision)
+        )
         draft = DraftModel(lm)
         assert draft.needs_features
         scheduler = new_scheduler(draft, chunk_tokens)
