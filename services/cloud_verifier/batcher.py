@@ -428,8 +428,16 @@ class Batcher:
                 _resolve_threadsafe(prefill.job.future, SessionClosed(session.session_id))
                 continue
             if not prefill.started:
-                self.target.start(session.key)
+                # An earlier round of the same conversation from this edge may have left
+                # most of this prompt in the cache: the chunk then starts past it.
+                scope = str(session.owner)
+                reused = self.target.start(session.key, session.confirmed[: prefill.total], scope)
                 prefill.started = True
+                if reused:
+                    self.metrics.prefix_reused_tokens.inc(reused)
+                    prefill.done = reused
+                    chunk.end = min(prefill.total, reused + chunk.end - chunk.start)
+                    chunk.start = reused
             if chunk.end > chunk.start:
                 tokens = session.confirmed[chunk.start : chunk.end]
                 prefills.append(

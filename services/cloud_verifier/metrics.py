@@ -56,6 +56,7 @@ class CloudMetrics:
     | connected_edges | asymspec_cloud_connected_edges | open channels |
     | forward_base_seconds | asymspec_target_forward_base_seconds | s, fitted fixed cost |
     | forward_row_seconds | asymspec_target_forward_row_seconds | s, fitted cost per row |
+    | prefix_reused_tokens | asymspec_prefix_reused_tokens_total | prompt tokens not prefilled |
     """
 
     registry: CollectorRegistry
@@ -72,6 +73,7 @@ class CloudMetrics:
     connected_edges: Gauge
     forward_base_seconds: Gauge
     forward_row_seconds: Gauge
+    prefix_reused_tokens: Counter
 
     @classmethod
     def create(
@@ -131,6 +133,10 @@ class CloudMetrics:
             forward_row_seconds=f.gauge(
                 "asymspec_target_forward_row_seconds",
                 "Fitted cost of each row a target forward scores (what the prefill budget uses).",
+            ),
+            prefix_reused_tokens=f.counter(
+                "asymspec_prefix_reused_tokens_total",
+                "Prompt tokens a new session took from a closed session's cache (not prefilled).",
             ),
         )
         metrics.target_forward_calls.preset("kind", TARGET_CALL_KINDS)

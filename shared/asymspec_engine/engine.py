@@ -46,7 +46,9 @@ class SessionLM(Protocol):
     ``LlamaEngine``, ``CachedLM``). Capabilities only some engines have are members every
     engine answers, so callers ask instead of checking types: ``max_sessions`` (None:
     unbounded), ``hidden_size`` (0: no hidden states; else ``forward_features`` returns
-    them), ``restricts_head`` (whether ``restrict_head`` can narrow a draft's LM head)."""
+    them), ``restricts_head`` (whether ``restrict_head`` can narrow a draft's LM head),
+    ``adopt_prefix`` (how many of a new session's tokens a closed session in its ``scope``
+    already holds; 0 where the engine keeps no closed sessions)."""
 
     name: str  # "llama.cpp" or "torch": logged and recorded in results
     forward_calls: int
@@ -69,7 +71,11 @@ class SessionLM(Protocol):
 
     def token_ids(self, session_id: str) -> list[int]: ...
 
-    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None: ...
+    def open(
+        self, session_id: str, token_ids: Sequence[int], scope: str = ""
+    ) -> torch.Tensor | None: ...
+
+    def adopt_prefix(self, session_id: str, token_ids: Sequence[int]) -> int: ...
 
     def close(self, session_id: str) -> None: ...
 
@@ -219,8 +225,16 @@ class SessionTable(Generic[S]):
         """The tokens the session's cache holds (a copy)."""
         return list(self._session(session_id).token_ids)
 
-    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Start a session and prefill ``token_ids`` (may be empty).
+    def adopt_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
+        """Closed sessions are not kept: nothing to adopt."""
+        self._session(session_id)
+        return 0
+
+    def open(
+        self, session_id: str, token_ids: Sequence[int], scope: str = ""
+    ) -> torch.Tensor | None:
+        """Start a session and prefill ``token_ids`` (may be empty); ``scope`` is unused
+        (this engine keeps no closed sessions to reuse).
 
         Returns the logits [V] after the last token (None for an empty prefill): a prompt's
         other rows are never needed, so the LM head runs on the last position only.

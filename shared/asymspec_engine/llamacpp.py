@@ -15,8 +15,13 @@ engine is a thin owner of one llama.cpp context and nothing of the forward itsel
 - **logits only where asked**: a token's ``logits`` flag is set only for the trailing
   ``keep_rows`` of its item, so the LM head runs on those rows only, and they come back
   as one contiguous float32 block;
-- **rollback** is ``llama_memory_seq_rm`` from the kept length on; closing a session
-  removes all its cells.
+- **rollback** is ``llama_memory_seq_rm`` from the kept length on;
+- **prefix reuse**: a closed session's stream is kept (while no new session needs it, the
+  least recently closed given up first), and a new session in the same scope whose tokens
+  begin with at least ``MIN_REUSE_TOKENS`` of its tokens takes that stream over, rolled back
+  to the common prefix: an agent's next round, which resends the whole conversation, is
+  prefilled from where the last round's context ends. Exact: the cells hold the keys and
+  values of exactly those tokens at those positions.
 
 Sampling never happens here: the float32 rows go to the project's own sampling code
 (acceptance, recovery and the transforms must see exactly the rows both sides use).
@@ -33,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +56,7 @@ log = logging.getLogger("asymspec.engine")
 ENGINE_QUANT = "q8_0"
 ENGINE_GGUF = f"model.{ENGINE_QUANT}.gguf"
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids per context
+MIN_REUSE_TOKENS = 16  # a shorter common prefix is cheaper to prefill than to look for
 _backend_lock = threading.Lock()
 _log_callback_ref: object = None  # llama.cpp keeps the C pointer: keep its Python object alive
 
@@ -87,6 +94,16 @@ def bindings() -> Any:
 class _Session:
     seq_id: int
     token_ids: list[int] = field(default_factory=list)
+    scope: str = ""  # whose closed sessions it may reuse (the cloud: one edge's)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 class LlamaCppEngine:
@@ -152,7 +169,9 @@ class LlamaCppEngine:
         self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
         self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
         self._sessions: dict[str, _Session] = {}
+        self._retained: OrderedDict[int, _Session] = OrderedDict()  # closed; oldest first
         self.forward_calls = 0
+        self.reused_tokens = 0  # prompt tokens taken from closed sessions' streams
         log.info(
             "llama.cpp engine: %s, %d sessions of up to %d tokens, %d threads",
             self.path.name,
@@ -200,33 +219,78 @@ class LlamaCppEngine:
     def token_ids(self, session_id: str) -> list[int]:
         return list(self._session(session_id).token_ids)
 
-    def open(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Start a session and prefill ``token_ids`` (may be empty); the logits [V] after
-        the last token, None for an empty prefill."""
+    def open(
+        self, session_id: str, token_ids: Sequence[int], scope: str = ""
+    ) -> torch.Tensor | None:
+        """Start a session and prefill ``token_ids`` (may be empty), from a closed session's
+        stream where one in ``scope`` shares a long enough prefix (``adopt_prefix``); the
+        logits [V] after the last token, None for an empty prefill."""
         if session_id in self._sessions:
             raise KeyError(f"session {session_id!r} is already open")
-        if not self._free_seq_ids:
-            raise RuntimeError(f"the engine holds at most {self.max_sessions} sessions at once")
-        self._sessions[session_id] = _Session(self._free_seq_ids.pop())
+        self._sessions[session_id] = _Session(self._take_seq_id(), scope=scope)
         if not token_ids:
             return None
         try:
+            start = self.adopt_prefix(session_id, token_ids[:-1])  # the last row is asked for
             last: torch.Tensor | None = None
-            for start in range(0, len(token_ids), self.batch_tokens):
-                chunk = token_ids[start : start + self.batch_tokens]
-                last_chunk = start + self.batch_tokens >= len(token_ids)
+            for begin in range(start, len(token_ids), self.batch_tokens):
+                chunk = token_ids[begin : begin + self.batch_tokens]
+                last_chunk = begin + self.batch_tokens >= len(token_ids)
                 rows = self.forward_new([(session_id, chunk)], keep_rows=[int(last_chunk)])
                 last = rows[0][-1] if last_chunk else None
             return last
         except BaseException:
-            self.close(session_id)  # a failed prefill leaves no half-open session
+            self.close(session_id, retain=False)  # a failed prefill leaves no half-open session
             raise
 
-    def close(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)  # idempotent
-        if session is not None:
-            self._lib.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
-            self._free_seq_ids.append(session.seq_id)
+    def adopt_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
+        """Give an empty session the stream of the closed session (in its scope) that shares
+        the longest prefix with ``token_ids``, rolled back to that prefix; how many tokens
+        the session now holds (0: none shared ``MIN_REUSE_TOKENS`` or more)."""
+        session = self._session(session_id)
+        if session.token_ids:
+            raise ValueError(f"session {session_id!r} is not empty: it cannot adopt a prefix")
+        best, best_len = None, 0
+        for closed in self._retained.values():
+            if closed.scope == session.scope:
+                shared = common_prefix(closed.token_ids, token_ids)
+                if shared > best_len:
+                    best, best_len = closed, shared
+        if best is None or best_len < MIN_REUSE_TOKENS:
+            return 0
+        del self._retained[best.seq_id]
+        if not self._lib.llama_memory_seq_rm(self._memory, best.seq_id, best_len, -1):
+            self._drop(best.seq_id)
+            return 0
+        self._free_seq_ids.append(session.seq_id)  # empty: nothing to remove
+        session.seq_id, session.token_ids = best.seq_id, best.token_ids[:best_len]
+        self.reused_tokens += best_len
+        return best_len
+
+    def close(self, session_id: str, retain: bool = True) -> None:
+        """End a session (idempotent); its stream is kept for ``adopt_prefix`` unless
+        ``retain`` is False or it holds too few tokens to be worth it."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        if retain and len(session.token_ids) >= MIN_REUSE_TOKENS:
+            self._retained[session.seq_id] = session
+        else:
+            self._drop(session.seq_id)
+
+    def _take_seq_id(self) -> int:
+        """A free sequence id; else the least recently closed session's, its cells dropped."""
+        if self._free_seq_ids:
+            return self._free_seq_ids.pop()
+        if self._retained:
+            seq_id, _ = self._retained.popitem(last=False)
+            self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            return seq_id
+        raise RuntimeError(f"the engine holds at most {self.max_sessions} sessions at once")
+
+    def _drop(self, seq_id: int) -> None:
+        self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._free_seq_ids.append(seq_id)
 
     def truncate(self, session_id: str, new_length: int) -> None:
         """Roll back to the first ``new_length`` tokens (a confirmed prefix)."""

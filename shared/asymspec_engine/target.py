@@ -124,9 +124,12 @@ class TargetModel:
             raise ValueError("a prompt needs at least one token")
         self.lm.open(session_id, prompt_ids[:-1])
 
-    def start(self, session_id: str) -> None:
-        """Open an empty session, to be prefilled by ``PrefillChunk``s in later rounds."""
-        self.lm.open(session_id, [])
+    def start(self, session_id: str, prompt_ids: Sequence[int] = (), scope: str = "") -> int:
+        """Open a session to be prefilled by ``PrefillChunk``s in later rounds, from a closed
+        session's cache in ``scope`` where the engine keeps one that shares a prefix with
+        ``prompt_ids``; how many prompt tokens are already in the cache."""
+        self.lm.open(session_id, [], scope)
+        return self.lm.adopt_prefix(session_id, prompt_ids) if prompt_ids else 0
 
     def close(self, session_id: str) -> None:
         self.lm.close(session_id)

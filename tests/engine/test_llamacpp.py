@@ -172,3 +172,44 @@ def test_the_engine_choice_follows_the_files_and_the_setting(
     lm, tokenizer = load_session_lm(str(folder), EngineOptions(device="cpu", max_sessions=3))
     assert lm.name == "llama.cpp" and lm.max_sessions == 3
     assert lm.vocab_size == len(tokenizer)
+
+
+def test_a_new_session_takes_over_a_closed_sessions_prefix(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    lm = _engine(tiny_gguf, max_sessions=3)
+    first_round = _tokens(18, 40)
+    lm.open("round1", first_round, scope="edge-1")
+    lm.forward_new([("round1", _tokens(19, 5))])  # its answer, rejected tail included
+    lm.truncate("round1", 43)
+    lm.close("round1")  # kept: 43 tokens
+    second_round = [*first_round, *lm_tokens_after(first_round)]
+    last = lm.open("round2", second_round, scope="edge-1")
+    assert lm.reused_tokens == 40  # the shared 40, not the 3 that differ
+    assert last is not None
+    assert (last - full_logits(reference, second_round)[-1]).abs().max() <= TOLERANCE
+    lm.close("round2")
+    lm.open("other-edge", second_round, scope="edge-2")  # never another scope's cache
+    assert lm.reused_tokens == 40
+    lm.open("short", second_round[:10], scope="edge-1")  # under MIN_REUSE_TOKENS
+    assert lm.reused_tokens == 40
+    with pytest.raises(ValueError, match="not empty"):
+        lm.adopt_prefix("short", second_round)
+
+
+def lm_tokens_after(prefix: list[int]) -> list[int]:
+    return _tokens(len(prefix) + 100, 12)
+
+
+def test_kept_sessions_give_way_to_live_ones(tiny_gguf: Path) -> None:
+    lm = _engine(tiny_gguf, max_sessions=2)
+    for seed, name in enumerate(("a", "b")):
+        lm.open(name, _tokens(30 + seed, 30))
+        lm.close(name)  # both kept
+    lm.open("c", _tokens(21, 30))  # different tokens: takes the oldest kept stream
+    lm.open("d", _tokens(22, 30))
+    assert lm.sessions() == 2 and lm.reused_tokens == 0
+    with pytest.raises(RuntimeError, match="at most 2 sessions"):
+        lm.open("e", _tokens(23, 30))
+    lm.close("c", retain=False)
+    lm.open("e", _tokens(23, 30))
