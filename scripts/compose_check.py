@@ -9,7 +9,8 @@ Steps, each timed; the first failure is named and ends the run (teardown always 
              bundle and pip.conf copied in (the registries are reached through them), a
              venv on PATH; `docker import`
 4. build     every project image FROM that base (docker/compose.local.yaml), torch from the
-             host's wheel folder ($PIP_FIND_LINKS) served to the build over the bridge
+             host's wheel folder ($PIP_FIND_LINKS) served to the build over the bridge;
+             llama.cpp compiled in the images' shared wheel stage (cold: many minutes)
 5. up        `docker compose up --wait` (Prometheus from Debian's package, no Grafana)
 6. health    /health of the edge (published port) and of the cloud (inside its container);
              each service's engine as it logged its choice: llama.cpp for both
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             wheels = serve_wheels()
             os.environ["TORCH_FIND_LINKS"] = wheels[0] if wheels else ""
             report.say(f"    torch from {wheels[0] if wheels else 'its index (TORCH_INDEX_URL)'}")
-            sh(compose("--profile", "load", "build"), capture=False)
+            # A cold build compiles llama.cpp (its wheel stage, once for both images).
+            sh(compose("--profile", "load", "build"), capture=False, timeout_s=3600)
             report.say("    " + image_sizes())
         with report.step("5 up"):
             stack_up = True
