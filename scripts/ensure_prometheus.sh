@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Make a `prometheus` binary available for tests/observability (the dashboard test runs a
+# Make a `prometheus` binary available for tests/observability (the dashboard tests run a
 # real Prometheus against real services). Debian's package is enough: the dashboards use
-# only PromQL that 2.x evaluates. Idempotent; needs root only when it has to install.
+# only PromQL that 2.x evaluates. Idempotent. Installs as root, or through passwordless
+# sudo; otherwise it says so and exits 0: those tests then skip and name the reason
+# (ASYMSPEC_REQUIRE_PROMETHEUS=1, as .ci/run sets, makes a missing binary fail them).
 set -euo pipefail
 
 if command -v prometheus >/dev/null 2>&1; then
   prometheus --version 2>&1 | head -n 1
   exit 0
 fi
-if [[ $(id -u) -ne 0 ]]; then
-  echo "prometheus is not installed and this is not root: run 'apt-get install prometheus'" >&2
-  exit 1
+if [[ $(id -u) -eq 0 ]]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+  as_root=(sudo -n)
+else
+  echo "prometheus: not installed, and installing it needs root (apt-get install prometheus);" \
+    "the tests that query a real Prometheus will be skipped" >&2
+  exit 0
 fi
 # The package's postinst would start a daemon on :9090 where an init system runs; a
 # policy-rc.d that answers 101 forbids that (CI needs only the binary, not a server).
 policy=/usr/sbin/policy-rc.d
 if [[ ! -e $policy ]]; then
-  printf '#!/bin/sh\nexit 101\n' >"$policy"
-  chmod +x "$policy"
-  trap 'rm -f "$policy"' EXIT
+  "${as_root[@]}" sh -c "printf '#!/bin/sh\nexit 101\n' >$policy && chmod +x $policy"
+  trap '"${as_root[@]}" rm -f "$policy"' EXIT
 fi
-apt-get update -qq
+"${as_root[@]}" apt-get update -qq
 # --no-install-recommends: no node-exporter, no web console extras.
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y -qq --no-install-recommends prometheus
 prometheus --version 2>&1 | head -n 1

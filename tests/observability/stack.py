@@ -21,7 +21,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = REPO_ROOT / "observability" / "prometheus" / "prometheus.yml"
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
-ENSURE_HINT = "run scripts/ensure_prometheus.sh (apt-get install prometheus) or set PROMETHEUS_BIN"
+ENSURE_HINT = "install it as root (scripts/ensure_prometheus.sh) or set PROMETHEUS_BIN"
 
 
 def prometheus_binary() -> str:

@@ -9,8 +9,9 @@ and requires a series for each. It writes panels.json, panels.md, dashboard.png 
 Locust stats to $ASYMSPEC_DASHBOARD_OUT when set (the committed
 loadtest/results/dashboard/ was made so), else to a temporary folder.
 
-Prometheus: `scripts/ensure_prometheus.sh` installs Debian's package; without a binary the
-slow tests fail and say so.
+Prometheus: `scripts/ensure_prometheus.sh` installs Debian's package (as root). Without a
+binary the slow tests skip and say why, unless ASYMSPEC_REQUIRE_PROMETHEUS=1 (CI) makes them
+fail.
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def prometheus_bin() -> str:
     try:
         return stack.prometheus_binary()
     except FileNotFoundError as error:
-        pytest.fail(str(error))
+        if os.environ.get("ASYMSPEC_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail(str(error))
+        pytest.skip(str(error))
 
 
 @pytest.mark.slow
