@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from draft_greedy_proxy import greedy_blocks  # this folder: scripts run as files
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -69,6 +68,19 @@ TOP_K = 32  # soft labels kept per position; the rest of the vocabulary is one "
 GEN_BATCH = 64  # rows per generation batch: part of the data's definition, not a knob
 VALID_EVERY = 40  # every 40th greedy source job is held back for validation
 CHAT_NEW_TOKENS = 320  # chat answers run long; most end (EOS) before this
+
+
+def greedy_blocks(matches: list[bool], gamma: int, n_tokens: int) -> list[int]:
+    """Accepted draft tokens per block at T = 0; matches[j]: draft argmax == target token j.
+    A block starting at s accepts the leading run of matches (at most gamma)."""
+    accepted, position = [], 0
+    while position < n_tokens:
+        run = 0
+        while run < gamma and position + run < len(matches) and matches[position + run]:
+            run += 1
+        accepted.append(run)
+        position += run + 1  # the accepted tokens, then the correction or bonus token
+    return accepted
 
 # Generic chat instructions for training. Deliberately disjoint from asymspec.prompts'
 # CHAT_PROMPTS, which stay unseen as the chat workload.

@@ -26,7 +26,7 @@ What a feature draft is: ``asymspec_engine.feature_draft``. Stages (cached under
 3. ``eval``: T = 0 accepted tokens per γ block on held-out chat and HumanEval prompts,
    teacher-forced on the target's greedy continuations with the same unrolled passes (at
    T = 0 a block accepts the leading run of draft steps whose argmax is the target's
-   token); ``scripts/bench_backends.py`` then measures the real loop at T = 0 and 0.7.
+   token); ``make bench`` with the draft served measures the real loop.
 4. ``export``: the layer in bf16 without the embedding (``make models`` takes the target's)
    and the fc into ``models/smollm2-feature-draft/``.
 """
