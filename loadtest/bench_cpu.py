@@ -30,11 +30,11 @@ from typing import Any
 
 import httpx
 
-from asymspec.prompts import chat_prompts, code_as_chat, humaneval_prompts
 from asymspec_engine.embedded import EMBEDDED_TARGET
 from asymspec_engine.hardware import machine_facts
 from asymspec_engine.llamacpp import ENGINE_GGUF
 from asymspec_engine.loading import resolve_model
+from loadtest.prompts import chat_prompts, code_as_chat, humaneval_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = REPO / ".cache/llama-cpp-python/build/bin/llama-server"

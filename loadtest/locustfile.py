@@ -5,7 +5,7 @@
 
 Three user classes, closed loop (each user sends its next request when the last one ends):
 streaming chat, streaming completions and non-streaming completions, with HumanEval's
-held-out prompts (``asymspec.prompts``; chat users get them phrased as a request).
+held-out prompts (``loadtest.prompts``; chat users get them phrased as a request).
 
 Besides the HTTP rows, each finished request fires custom events (response_time in ms):
 
@@ -44,7 +44,7 @@ from locust.env import Environment
 from locust.stats import StatsEntry
 from requests import RequestException
 
-from asymspec.prompts import code_as_chat, humaneval_prompts
+from loadtest.prompts import code_as_chat, humaneval_prompts
 
 log = logging.getLogger("asymspec.loadtest")
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from asymspec.testbed import Testbed, open_testbed
+from loadtest.testbed import Testbed, open_testbed
 
 REPO = Path(__file__).resolve().parents[1]
 EDGE_PORT, CLOUD_PORT = 8000, 8001
@@ -137,7 +137,7 @@ def _wait_healthy(bed: Testbed, url: str, timeout_s: float = 300) -> None:
 def _models(kind: str, workdir: Path) -> tuple[str, str]:
     if kind == "embedded":
         return "embedded:smollm2-135m-instruct", "embedded:smollm2-draft"
-    from tests.services.tiny_models import save_tiny_pair  # test helper: the tiny real pair
+    from loadtest.tiny_models import save_tiny_pair  # test helper: the tiny real pair
 
     target, draft = save_tiny_pair(workdir)
     return str(target), str(draft)

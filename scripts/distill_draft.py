@@ -11,7 +11,7 @@ Stages (each caches its output under ``.cache/distill/``, git-ignored):
 
 1. ``generate``: the target writes its own continuations (on-policy data: what the draft
    has to predict at serving time) of TRAIN-split prompts: HumanEval (raw completion and
-   chat template; greedy and T = 0.7), source-code continuations (``asymspec.prompts``:
+   chat template; greedy and T = 0.7), source-code continuations (``loadtest.prompts``:
    stdlib functions cut after their docstring; greedy and T = 0.7) and generic chat
    instructions. For every generated position it keeps the target's top-K next-token
    log-probabilities (soft labels). Work is split into fixed batches, each saved to its own
@@ -25,7 +25,7 @@ Stages (each caches its output under ``.cache/distill/``, git-ignored):
    again later) teaches the copying that much of the target's output is.
 3. ``export``: bf16 weights + config into ``models/smollm2-draft/``.
 
-The held-out HumanEval problems and held-out source prompts (``asymspec.prompts``) are never
+The held-out HumanEval problems and held-out source prompts (``loadtest.prompts``) are never
 used here. See ``models/smollm2-draft/README.md`` for the design, data sizes and measurements.
 """
 
@@ -52,15 +52,15 @@ from transformers import (
     PreTrainedModel,
 )
 
+from asymspec.sampling import sample_rows
 from asymspec_engine.embedded import COMMITTED_DRAFT_DIR, REPO_ROOT
 from asymspec_engine.engine import SessionLM
 from asymspec_engine.hardware import resolve_dtype
 from asymspec_engine.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
 from asymspec_engine.loading import session_lm
 from asymspec_engine.prepare import target_dir
-from asymspec.instructions import instructions
-from asymspec.prompts import humaneval_prompts, prose_prompts, render_prompt, source_prompts
-from asymspec.sampling import sample_rows
+from loadtest.instructions import instructions
+from loadtest.prompts import humaneval_prompts, prose_prompts, render_prompt, source_prompts
 
 CACHE = REPO_ROOT / ".cache" / "distill"
 GENERATED = CACHE / "generated"  # one file per generation batch
@@ -82,7 +82,8 @@ def greedy_blocks(matches: list[bool], gamma: int, n_tokens: int) -> list[int]:
         position += run + 1  # the accepted tokens, then the correction or bonus token
     return accepted
 
-# Generic chat instructions for training. Deliberately disjoint from asymspec.prompts'
+
+# Generic chat instructions for training. Deliberately disjoint from loadtest.prompts'
 # CHAT_PROMPTS, which stay unseen as the chat workload.
 TRAIN_CHAT_INSTRUCTIONS = (
     "Write a Python function that checks whether a string is a palindrome.",

@@ -53,8 +53,8 @@ from asymspec_engine.embedded import REPO_ROOT
 from asymspec_engine.feature_draft import save_fc
 from asymspec_engine.head_vocab import read_head_vocab, write_head_vocab
 from asymspec_engine.llama import LlamaEngine
-from asymspec.instructions import instructions
-from asymspec.prompts import humaneval_prompts, render_prompt
+from loadtest.instructions import instructions
+from loadtest.prompts import humaneval_prompts, render_prompt
 
 CACHE = REPO_ROOT / ".cache" / "feature_draft"
 GENERATED = CACHE / "generated"

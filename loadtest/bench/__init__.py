@@ -3,7 +3,7 @@
     python -m loadtest.bench --models tiny --modes asymspec,standard --profiles weak  # smoke
     python -m loadtest.bench                         # all 9 modes × weak/medium/strong
 
-Per (mode, profile) cell the runner re-shapes the namespace testbed (``asymspec.testbed``),
+Per (mode, profile) cell the runner re-shapes the namespace testbed (``loadtest.testbed``),
 starts the cloud verifier in the cloud namespace (core 1) and the edge gateway in the edge
 namespace (core 0), and runs the load driver inside the edge namespace, so the only traffic
 on the shaped veth is the edge<->cloud channel. Outputs land in ``loadtest/results/<run>/``.

@@ -7,7 +7,7 @@
 Every process is fresh per cell, so no cache, queue or allocator state carries over from
 the previous mode. Both services get one torch thread each: on a 2-core machine a second
 thread per process only fights the other service for its core. The environment comes from
-the tests' own helpers (``tests.services.processes``), overridden where the namespaces
+the process helpers the tests use too (``loadtest.processes``), overridden where the namespaces
 differ from loopback (cloud address, bind address).
 """
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from asymspec.modes import get_mode
-from asymspec.testbed import Testbed
 from loadtest.bench.config import REPO_ROOT, ModelPair
-from tests.services.processes import cloud_env, edge_env
+from loadtest.processes import cloud_env, edge_env
+from loadtest.testbed import Testbed
 
 CLOUD_PORT, EDGE_PORT = 8001, 8000
 CLOUD_CPU, EDGE_CPU = 1, 0

@@ -87,7 +87,7 @@ def prepare_pair(models: ModelsChoice, work_dir: Path) -> ModelPair:
         return ModelPair("embedded", EMBEDDED_TARGET, EMBEDDED_DRAFT)
     # The tests' own pair (reused, not copied): imported here so the embedded path does not
     # depend on the test tree.
-    from tests.services.tiny_models import save_tiny_pair
+    from loadtest.tiny_models import save_tiny_pair
 
     target, draft = save_tiny_pair(work_dir / "tiny-pair")
     return ModelPair("tiny", str(target), str(draft), _TINY_MAX_MODEL_LEN)

@@ -20,7 +20,6 @@ import torch
 from tqdm import tqdm
 
 from asymspec.links import get_profile
-from asymspec.testbed import Testbed, TestbedLayout, open_testbed
 from asymspec_engine.hardware import machine_facts, resolve_dtype
 from loadtest.bench.cell import CellFailed, CellPlan, run_cell, service_torch_threads
 from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
@@ -28,6 +27,7 @@ from loadtest.bench.plots import write_plots
 from loadtest.bench.report import summarize_phase
 from loadtest.bench.tables import bars, check_rows, write_outputs
 from loadtest.bench.workload import measured_bodies, warmup_bodies
+from loadtest.testbed import Testbed, TestbedLayout, open_testbed
 
 HEALTH_TIMEOUT_S = 600.0  # two model loads on a contended CPU
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asymspec.prompts import humaneval_prompts
+from loadtest.prompts import humaneval_prompts
 
 SERVED_MODEL = "asymspec"  # the edge's default served_model_name
 

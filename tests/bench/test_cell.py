@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from asymspec.testbed import Testbed, TestbedLayout
 from loadtest.bench.cell import service_envs
 from loadtest.bench.cli import build_parser, config_from_args
 from loadtest.bench.config import ModelPair
+from loadtest.testbed import Testbed, TestbedLayout
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 
-from asymspec.prompts import humaneval_prompts
 from loadtest.bench.loadgen import PhaseResult, run_phase
 from loadtest.bench.workload import Sampling, measured_bodies, warmup_bodies, with_fields
+from loadtest.prompts import humaneval_prompts
 
 
 def sse(*chunks: dict[str, Any]) -> bytes:

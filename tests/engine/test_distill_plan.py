@@ -9,15 +9,15 @@ from collections import Counter
 
 from transformers import AutoTokenizer
 
-from asymspec.instructions import instructions
-from asymspec.prompts import (
+from asymspec_engine.embedded import REPO_ROOT
+from asymspec_engine.prepare import target_dir
+from loadtest.instructions import instructions
+from loadtest.prompts import (
     CHAT_PROMPTS,
     humaneval_prompts,
     prose_prompts,
     source_prompts,
 )
-from asymspec_engine.embedded import REPO_ROOT
-from asymspec_engine.prepare import target_dir
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import distill_draft

@@ -21,7 +21,8 @@ from asymspec_engine.draft import (
     mix_copy,
 )
 from asymspec_engine.loading import session_lm
-from tests.engine.conftest import TINY_VOCAB, full_logits
+from loadtest.tiny_llama import TINY_VOCAB
+from tests.engine.conftest import full_logits
 
 T1 = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)

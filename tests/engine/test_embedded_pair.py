@@ -13,7 +13,6 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asymspec.prompts import humaneval_prompts
 from asymspec.sampling import SamplingParams
 from asymspec_engine.draft import DraftModel
 from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
@@ -22,6 +21,7 @@ from asymspec_engine.llama import LlamaEngine
 from asymspec_engine.loading import load_causal_lm, session_lm
 from asymspec_engine.reference import speculative_generate, target_generate
 from asymspec_engine.target import TargetModel
+from loadtest.prompts import humaneval_prompts
 
 pytestmark = pytest.mark.slow
 

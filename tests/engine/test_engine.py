@@ -33,7 +33,8 @@ from asymspec_engine.llama import (
     LlamaEngine,
 )
 from asymspec_engine.loading import load_causal_lm, session_lm
-from tests.engine.conftest import TINY_VOCAB, build_tiny_llama, full_logits
+from loadtest.tiny_llama import TINY_VOCAB, build_tiny_llama
+from tests.engine.conftest import full_logits
 
 Engine = type[CachedLM] | type[LlamaEngine]
 

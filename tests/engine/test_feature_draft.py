@@ -23,7 +23,7 @@ from asymspec_engine.feature_draft import (
 )
 from asymspec_engine.hardware import resolve_precision
 from asymspec_engine.loading import EngineOptions, load_session_lm
-from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
+from loadtest.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from train_feature_draft import FeatureDraftNet

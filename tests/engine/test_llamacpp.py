@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from asymspec_engine.gguf_export import export_llama, quantize
 from asymspec_engine.llamacpp import ENGINE_GGUF, LlamaCppEngine
 from asymspec_engine.loading import EngineOptions, choose_engine, find_gguf, load_session_lm
+from loadtest.tiny_models import save_tiny_pair
 from tests.engine.conftest import full_logits
-from tests.services.tiny_models import save_tiny_pair
 
 # float16 keys and values in llama.cpp's cache against float32 in torch's
 TOLERANCE = 2e-2

@@ -105,8 +105,8 @@ def test_a_committed_feature_draft_is_assembled_with_the_targets_embedding(
     from asymspec_engine.feature_draft import FeatureLM, save_fc
     from asymspec_engine.hardware import resolve_precision
     from asymspec_engine.loading import EngineOptions, load_session_lm
-    from tests.engine.conftest import build_tiny_llama, feature_copy
-    from tests.services.tiny_models import build_tokenizer
+    from loadtest.tiny_llama import build_tiny_llama, feature_copy
+    from loadtest.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
     target = build_tiny_llama(seed=0, hidden_size=64, vocab_size=len(tokenizer))

@@ -22,13 +22,8 @@ from asymspec_engine.draft import DraftModel
 from asymspec_engine.loading import session_lm
 from asymspec_engine.reference import GenerationResult, speculative_generate, target_generate
 from asymspec_engine.target import TargetModel
-from tests.engine.conftest import (
-    build_tiny_llama,
-    feature_draft_lm,
-    full_logits,
-    noisy_copy,
-    one_torch_thread,
-)
+from loadtest.tiny_llama import build_tiny_llama, noisy_copy
+from tests.engine.conftest import feature_draft_lm, full_logits, one_torch_thread
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ([1, 2, 3, 4], [50], [7, 7, 7, 7, 7, 7, 7, 7, 30, 31, 32, 33])

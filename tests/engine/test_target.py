@@ -17,7 +17,8 @@ from asymspec_engine.target import (
     fed_keys,
     fed_rows,
 )
-from tests.engine.conftest import TINY_VOCAB, full_logits
+from loadtest.tiny_llama import TINY_VOCAB
+from tests.engine.conftest import full_logits
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from asymspec.testbed import Testbed, TestbedLayout
+from loadtest.testbed import Testbed, TestbedLayout
 
 
 def netns_unavailable_reason() -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from asymspec.links import get_profile
-from asymspec.testbed import Testbed
+from loadtest.testbed import Testbed
 from netem.linkshaper.control import ControlServer
 from netem.linkshaper.route import route_device
 from netem.linkshaper.runner import DryRunRunner, SubprocessRunner

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from asymspec.links import get_profile
-from asymspec.testbed import Side, Testbed
+from loadtest.testbed import Side, Testbed
 from netem.linkshaper.runner import DryRunRunner, SubprocessRunner
 from netem.linkshaper.shaper import BackendChoice, Egress, LinkShaper
 

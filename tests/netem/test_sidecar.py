@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from asymspec.testbed import Testbed
+from loadtest.testbed import Testbed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _GET = (

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from asymspec.links import get_profile
-from asymspec.testbed import (
+from loadtest.testbed import (
     RATE_TOLERANCE,
     RateCheck,
     Testbed,

@@ -1,4 +1,4 @@
-"""Real processes for the observability tests, beside the services of tests/services/processes.py:
+"""Real processes for the observability tests, beside the services of loadtest/processes.py:
 a Prometheus scraping loopback, dry-run netem sidecars (their control endpoint and metrics,
 no tc), and headless Locust runs of loadtest/locustfile.py."""
 

@@ -30,9 +30,9 @@ import pytest
 import yaml
 
 from loadtest import render_dashboard as rd
+from loadtest.processes import cloud_env, edge_env, free_port, running
+from loadtest.tiny_models import save_tiny_pair
 from tests.observability import stack
-from tests.services.processes import cloud_env, edge_env, free_port, running
-from tests.services.tiny_models import save_tiny_pair
 
 DATASOURCES_YAML = (
     stack.REPO_ROOT / "observability/grafana/provisioning/datasources/prometheus.yaml"

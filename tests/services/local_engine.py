@@ -23,7 +23,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from asymspec_engine.loading import session_lm
 from asymspec_engine.target import StepRequest, TargetModel
 from edge_gateway.engine_api import GenerationError, GenerationRequest
-from tests.engine.conftest import build_tiny_llama
+from loadtest.tiny_llama import build_tiny_llama
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (

@@ -25,8 +25,8 @@ from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
-from tests.engine.conftest import build_tiny_llama
-from tests.services.tiny_models import greedy_cloud_session
+from loadtest.tiny_llama import build_tiny_llama
+from loadtest.tiny_models import greedy_cloud_session
 
 
 def test_a_dead_scheduler_fails_its_waiting_requests_and_refuses_new_ones() -> None:

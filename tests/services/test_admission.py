@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.services.processes import Service, edge_env, free_port, running
-from tests.services.tiny_models import save_tiny_pair
+from loadtest.processes import Service, edge_env, free_port, running
+from loadtest.tiny_models import save_tiny_pair
 
 KEY = "sk-test-key"
 

@@ -39,9 +39,9 @@ from asymspec.wire import (
 from asymspec_engine.feature_draft import features_from_wire
 from edge_gateway.channel import CloudChannel, CloudError
 from edge_gateway.metrics import EdgeMetrics
+from loadtest.processes import Service, cloud_env, free_port, running
+from loadtest.tiny_models import save_tiny_pair
 from tests.engine.conftest import full_logits
-from tests.services.processes import Service, cloud_env, free_port, running
-from tests.services.tiny_models import save_tiny_pair
 
 GREEDY = SamplingConfig(SamplingParams(0.0, 0, 1.0), 7)
 PROMPT = [5, 17, 42, 99, 3]

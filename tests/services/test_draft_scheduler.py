@@ -20,8 +20,8 @@ from asymspec_engine.hardware import resolve_precision
 from asymspec_engine.loading import EngineOptions, load_session_lm, session_lm
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.scheduler import DraftScheduler
-from tests.engine.conftest import build_tiny_llama
-from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
+from loadtest.tiny_llama import build_tiny_llama
+from loadtest.tiny_models import save_tiny_feature_draft, save_tiny_pair
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i) % 90 + 3 for i in range(81)]  # 80 tokens to prefill, the last pending

@@ -30,8 +30,7 @@ from scipy import stats
 from transformers import AutoModelForCausalLM
 
 from asymspec.sampling import SamplingParams, transform
-from tests.engine.conftest import full_logits
-from tests.services.processes import (
+from loadtest.processes import (
     Service,
     cloud_env,
     edge_env,
@@ -39,7 +38,8 @@ from tests.services.processes import (
     running,
     running_all,
 )
-from tests.services.tiny_models import save_tiny_feature_draft, save_tiny_pair
+from loadtest.tiny_models import save_tiny_feature_draft, save_tiny_pair
+from tests.engine.conftest import full_logits
 
 SPECULATIVE = (
     "asymspec", "no-topk", "full-upload", "standard", "no-pipeline", "runahead", "pipeinfer",

@@ -21,9 +21,9 @@ import torch
 from asymspec.sampling import SamplingParams, transform
 from asymspec_engine.llamacpp import ENGINE_GGUF, LlamaCppEngine
 from asymspec_engine.prepare import write_engine_gguf
-from tests.services.processes import Service, cloud_env, edge_env, free_port, running_all
+from loadtest.processes import Service, cloud_env, edge_env, free_port, running_all
+from loadtest.tiny_models import save_tiny_pair
 from tests.services.test_e2e import PROMPT_IDS, chi_square_pvalue, complete, sample_first_tokens
-from tests.services.tiny_models import save_tiny_pair
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.services.processes import (
+from loadtest.processes import (
     SHARED_SECRET,
     Service,
     cloud_env,
@@ -26,7 +26,7 @@ from tests.services.processes import (
     running,
     wait_for_replicas,
 )
-from tests.services.tiny_models import save_tiny_pair
+from loadtest.tiny_models import save_tiny_pair
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"request {i}: def f(x):" for i in range(4)]

@@ -17,8 +17,8 @@ from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
-from tests.engine.conftest import build_tiny_llama
-from tests.services.tiny_models import greedy_cloud_session
+from loadtest.tiny_llama import build_tiny_llama
+from loadtest.tiny_models import greedy_cloud_session
 
 
 def test_the_batcher_takes_every_core_while_one_session_is_open() -> None:

@@ -19,8 +19,9 @@ from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
-from tests.engine.conftest import build_tiny_llama, full_logits
-from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
+from loadtest.tiny_llama import build_tiny_llama
+from loadtest.tiny_models import RecordingTarget, greedy_cloud_session
+from tests.engine.conftest import full_logits
 
 
 def new_batcher(target: TargetModel, max_wait_s: float = 0.0) -> Batcher:

@@ -23,7 +23,7 @@ from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.settings import CloudSettings
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.settings import EdgeSettings
-from tests.services.tiny_models import greedy_cloud_session, save_tiny_pair
+from loadtest.tiny_models import greedy_cloud_session, save_tiny_pair
 
 
 def _noting_thread(load: Callable[..., Any], seen: list[int]) -> Callable[..., Any]:

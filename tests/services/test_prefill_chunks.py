@@ -28,7 +28,7 @@ from cloud_verifier.batcher import Batcher
 from cloud_verifier.forward_cost import PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
-from tests.services.tiny_models import RecordingTarget, greedy_cloud_session
+from loadtest.tiny_models import RecordingTarget, greedy_cloud_session
 
 
 def session_with_prompt(session_id: int, length: int) -> Session:

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from tests.services.processes import (
+from loadtest.processes import (
     Service,
     cloud_env,
     edge_env,
@@ -24,7 +24,7 @@ from tests.services.processes import (
     running,
     wait_for_replicas,
 )
-from tests.services.tiny_models import save_tiny_pair
+from loadtest.tiny_models import save_tiny_pair
 
 PROMPTS = ("def add(a, b):", "The quick brown", "for i in range(10):")
 

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.processes import Service
+from loadtest.processes import Service
 from tests.services.test_e2e import SPECULATIVE, edges, feature_draft, pair  # noqa: F401 - module fixtures
 
 COUNTERS = {  # the stats field -> (counter, labels)

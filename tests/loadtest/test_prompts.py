@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asymspec import prompts
+from loadtest import prompts
 
 
 def test_all_problems_load_in_file_order() -> None:

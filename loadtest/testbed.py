@@ -8,10 +8,10 @@ Root only; no Docker.
 Names carry a random run id, so parallel runs do not clash (the addresses live only inside
 each run's namespaces).
 
-    python -m asymspec.testbed check --profile weak --profile medium --profile strong
-    python -m asymspec.testbed up --profile weak           # prints the run id and names
-    python -m asymspec.testbed switch --run-id ID --profile medium
-    python -m asymspec.testbed down --run-id ID
+    python -m loadtest.testbed check --profile weak --profile medium --profile strong
+    python -m loadtest.testbed up --profile weak           # prints the run id and names
+    python -m loadtest.testbed switch --run-id ID --profile medium
+    python -m loadtest.testbed down --run-id ID
 
 In code, `with open_testbed("weak") as tb:` then `tb.spawn("cloud", [...], cpu=1)`,
 `tb.switch(get_profile("medium"))`, `tb.measure("uplink")`; teardown also runs on error.
@@ -240,7 +240,7 @@ def open_testbed(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m asymspec.testbed",
+        prog="python -m loadtest.testbed",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

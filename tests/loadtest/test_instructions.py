@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asymspec.instructions import instructions, is_heldout
+from loadtest.instructions import instructions, is_heldout
 
 
 def test_the_split_is_by_subject_and_covers_everything() -> None:

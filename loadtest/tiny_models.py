@@ -27,7 +27,7 @@ from asymspec_engine.target import (
     TargetModel,
 )
 from cloud_verifier.sessions import Session
-from tests.engine.conftest import build_tiny_llama, feature_copy, noisy_copy
+from loadtest.tiny_llama import build_tiny_llama, feature_copy, noisy_copy
 
 TINY_VOCAB = 320
 CHAT_TEMPLATE = (
