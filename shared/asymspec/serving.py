@@ -1,7 +1,7 @@
-"""Running a service process: typed settings from the environment, then uvicorn.
+"""Running a service process: its settings (``asymspec.cli``: flags over the environment),
+then uvicorn.
 
-Both services start the same way (`python -m edge_gateway`, `python -m cloud_verifier`):
-settings errors become one readable line naming the environment variables, not a trace.
+Both services start the same way (`python -m edge_gateway`, `python -m cloud_verifier`).
 uvicorn closes idle keep-alive connections but waits forever for a request's head, so a
 client trickling header bytes (slowloris) holds a connection for good: the HTTP protocol
 here closes a connection whose request head is not complete `header_timeout_s` after the
@@ -18,7 +18,6 @@ from typing import Any, Protocol, TypeVar
 
 import h11
 import uvicorn
-from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -72,18 +71,9 @@ class HeaderTimeoutProtocol(H11Protocol):
 S = TypeVar("S", bound=ServiceSettings)
 
 
-def serve(
-    name: str, env_prefix: str, load: Callable[[], S], create_app: Callable[[S], Any]
-) -> None:
-    """Load the settings (exit with a one-line message if they are wrong) and serve."""
+def serve(settings: S, create_app: Callable[[S], Any]) -> None:
+    """Serve the app the settings make."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        settings = load()
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{env_prefix}{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
-        )
-        raise SystemExit(f"{name}: bad settings: {problems}") from None
     # One worker: the model, its caches and the batching actor live in this one process.
     protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=settings.header_timeout_s)
     uvicorn.run(
