@@ -45,11 +45,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 
 from asymspec.sampling import sample_rows
@@ -268,7 +267,7 @@ def generate_batch(
     ]
 
 
-def training_jobs(tokenizer: AutoTokenizer, args: argparse.Namespace) -> list[Job]:
+def training_jobs(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> list[Job]:
     """Every trajectory to generate, in a fixed order."""
     jobs: list[Job] = []
     for code in humaneval_prompts("train"):
@@ -312,7 +311,7 @@ def training_jobs(tokenizer: AutoTokenizer, args: argparse.Namespace) -> list[Jo
     return jobs
 
 
-def generation_plan(jobs: list[Job], tokenizer: AutoTokenizer) -> list[list[int]]:
+def generation_plan(jobs: list[Job], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     """Job indices batched by (temperature, length budget) and prompt length (little
     padding); batch n is the same whatever the number of shards."""
     lengths = [len(tokenizer(job.text).input_ids) for job in jobs]
@@ -389,14 +388,14 @@ def stage_generate(args: argparse.Namespace) -> None:
             tokenizer.eos_token_id,
             args.sampler,
         )
-        rows = []
-        for job, prompt, (new, top_ids, top_logp) in zip(part, prompts, outputs, strict=True):
-            ids = torch.tensor(prompt + new)
-            rows.append(as_row(Sequence(ids, top_ids, top_logp, len(prompt) - 1, job.source)))
+        sequences = [
+            Sequence(torch.tensor(prompt + new), top_ids, top_logp, len(prompt) - 1, job.source)
+            for job, prompt, (new, top_ids, top_logp) in zip(part, prompts, outputs, strict=True)
+        ]
         tmp = path.with_suffix(".tmp")
-        torch.save(rows, tmp)
+        torch.save([as_row(seq) for seq in sequences], tmp)
         tmp.rename(path)  # a batch file is complete or absent
-        made += sum(len(r["topk_ids"]) for r in rows)
+        made += sum(len(seq.topk_ids) for seq in sequences)
         elapsed = time.perf_counter() - started
         print(
             f"generate shard {args.shard}: batch {number} ({len(plan)} in all), "
@@ -464,7 +463,7 @@ def draft_config(target: LlamaConfig, shape: DraftShape) -> LlamaConfig:
         head_dim=shape.hidden_size // shape.num_attention_heads,
         tie_word_embeddings=True,  # one 49,152 x d matrix: half the bytes of untied
         max_position_embeddings=target.max_position_embeddings,
-        rope_parameters=dict(target.rope_parameters),
+        rope_parameters=dict(target.rope_parameters or {}),
         rms_norm_eps=target.rms_norm_eps,
         bos_token_id=target.bos_token_id,
         eos_token_id=target.eos_token_id,
@@ -588,7 +587,7 @@ def new_draft(shape: DraftShape, init: Path | None = None) -> LlamaForCausalLM:
     """A fresh draft (embedding from the target's PCA), or one continued from ``init``
     (deepened to ``shape``'s layers by ``deepen`` when it has fewer)."""
     if init is not None:
-        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
         if model.config.hidden_size != shape.hidden_size:
             raise SystemExit(f"{init} is not a {shape} draft")
         if model.config.num_hidden_layers < shape.num_hidden_layers:
@@ -748,7 +747,7 @@ def stage_export(args: argparse.Namespace) -> None:
     model.generation_config.eos_token_id = target.generation_config.eos_token_id
     model.generation_config.pad_token_id = target.generation_config.pad_token_id
     args.out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(args.out)  # bf16: half the committed bytes
+    model.bfloat16().save_pretrained(args.out)  # bf16: half the committed bytes
     size = (args.out / "model.safetensors").stat().st_size
     print(f"exported {args.out} ({size / 1e6:.1f} MB)")
 
@@ -756,11 +755,13 @@ def stage_export(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- plumbing
 
 
-def load_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, AutoTokenizer]:
+def load_target(
+    dtype: torch.dtype = torch.float32,
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     path = target_dir()
     if not (path / "config.json").is_file():
         raise SystemExit(f"no target at {path}; run `python -m asymspec_engine.prepare` first")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

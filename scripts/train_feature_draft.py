@@ -41,6 +41,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import distill_draft  # this folder: scripts run as files
 import torch
@@ -184,12 +185,17 @@ class FeatureDraftNet(nn.Module):
     """The draft layer for training: the arithmetic of ``LlamaEngine`` on a one-layer Llama
     (the parameter names are transformers', so export is a rename), with unrolled passes."""
 
+    embed: torch.Tensor  # buffers, registered in __init__
+    head: torch.Tensor
+    inv_freq: torch.Tensor
+
     def __init__(
         self, config: LlamaConfig, embed: torch.Tensor, head: torch.Tensor, norm: torch.Tensor
     ) -> None:
         super().__init__()
         h, inter = config.hidden_size, config.intermediate_size
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = h // self.heads
         self.eps = config.rms_norm_eps
         self.register_buffer("embed", embed, persistent=False)  # [V, h] the target's, frozen
@@ -205,7 +211,7 @@ class FeatureDraftNet(nn.Module):
         self.up_proj = nn.Linear(h, inter, bias=False)
         self.down_proj = nn.Linear(inter, h, bias=False)
         self.norm = nn.Parameter(norm.clone().float())
-        theta = float(config.rope_parameters["rope_theta"])
+        theta = float(cast(float, (config.rope_parameters or {})["rope_theta"]))
         dims = torch.arange(0, self.head_dim, 2).float() / self.head_dim
         self.register_buffer("inv_freq", 1.0 / theta**dims, persistent=False)
 
@@ -441,7 +447,8 @@ def stage_train(args: argparse.Namespace) -> None:
             )
         if step % args.save_every == 0 or step == len(plan_batches):
             torch.save(net.state_dict(), run_dir / "net.pt")
-            row = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 1)}
+            row: dict[str, object] = {"step": step}
+            row["minutes"] = round((time.perf_counter() - started) / 60, 1)
             row.update(validate(net, valid[: args.valid_sequences], args.gamma))
             log.append(row)
             print("valid", row, flush=True)
@@ -474,11 +481,11 @@ def greedy_accepted(matches: list[list[bool]], first: int, end: int, gamma: int)
 
 
 @torch.no_grad()
-def validate(net: FeatureDraftNet, sequences: list[Sequence], gamma: int) -> dict[str, float]:
+def validate(net: FeatureDraftNet, sequences: list[Sequence], gamma: int) -> dict[str, object]:
     """Per draft step, the share of positions whose argmax is the target's, and accepted per
     γ block of a T = 0 loop over the generated part (teacher-forced, unrolled passes)."""
     net.eval()
-    step_agree = [[] for _ in range(gamma)]
+    step_agree: list[list[bool]] = [[] for _ in range(gamma)]
     blocks: list[int] = []
     for s in sequences:
         ids, prev, goal, _valid_rows = collate([s])
@@ -515,18 +522,13 @@ def heldout_sequences(args: argparse.Namespace, which: str) -> list[Sequence]:
     out = generate_batch(
         engine, prompts, args.eval_tokens, 0.0, torch.Generator(), tokenizer.eos_token_id, ""
     )
-    rows = [
-        {
-            "ids": torch.tensor(p + new),
-            "features": feats.to(torch.bfloat16),
-            "start": len(p) - 1,
-            "source": which,
-        }
+    sequences = [
+        Sequence(torch.tensor(p + new), feats.to(torch.bfloat16), len(p) - 1, which)
         for p, (new, feats) in zip(prompts, out, strict=True)
     ]
     CACHE.mkdir(parents=True, exist_ok=True)
-    torch.save(rows, path)
-    return [Sequence(**row) for row in rows]
+    torch.save([vars(seq) for seq in sequences], path)
+    return sequences
 
 
 def stage_eval(args: argparse.Namespace) -> None:
