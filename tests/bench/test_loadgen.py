@@ -26,7 +26,9 @@ def fake_edge(request: httpx.Request) -> httpx.Response:
     if body["prompt"] == "bad":
         return httpx.Response(400, json={"error": {"message": "max_tokens too large"}})
     n = body["max_tokens"]
-    chunks = [{"choices": [{"text": "ab", "finish_reason": None}]} for _ in range(n // 2)]
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"text": "ab", "finish_reason": None}]} for _ in range(n // 2)
+    ]
     chunks.append({"choices": [{"text": "", "finish_reason": "length"}]})
     chunks.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
     return httpx.Response(200, content=sse(*chunks), headers={"content-type": "text/event-stream"})

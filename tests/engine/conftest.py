@@ -27,7 +27,7 @@ def feature_draft_lm(target: LlamaForCausalLM, feature_weight: float = 0.3) -> F
     return FeatureLM(engine, fc)
 
 
-def full_logits(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch.Tensor:
+def full_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits [n, V] from recomputing the whole sequence without any cache."""
     with torch.inference_mode():
         return model(torch.tensor([list(token_ids)])).logits[0].float()

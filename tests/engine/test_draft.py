@@ -261,7 +261,7 @@ def test_a_restricted_head_drafts_only_its_tokens(tiny_draft_model: LlamaForCaus
     tokens carry exactly q_i(x_i)."""
     lm = session_lm(tiny_draft_model)
     kept = list(range(0, TINY_VOCAB, 3))
-    lm.restrict_head(kept)  # type: ignore[attr-defined]
+    lm.restrict_head(kept)
     draft = DraftModel(lm)
     block = _propose_one(draft, [3, 6, 9, 12], gamma=6, seed=4)
     outside = [t for t in range(TINY_VOCAB) if t not in set(kept)]
@@ -290,7 +290,7 @@ def test_a_restricted_head_drafts_on_its_columns_exactly_as_on_the_whole_vocabul
     drafts = []
     for cls in (DraftModel, _WholeVocabularyDraft):
         lm = session_lm(tiny_draft_model)
-        lm.restrict_head(kept)  # type: ignore[attr-defined]
+        lm.restrict_head(kept)
         drafts.append(cls(lm, copy_weight=0.7, stop_confidence=0.05))
     on_columns, whole = drafts
     assert on_columns.restricted_head() is not None and whole.restricted_head() is None
@@ -305,7 +305,7 @@ def test_a_restricted_head_drafts_on_its_columns_exactly_as_on_the_whole_vocabul
     for seed in range(12):
         blocks = []
         for draft in drafts:
-            requests = []
+            requests: list[DraftRequest] = []
             for name, prompt in prompts.items():
                 draft.open(name, prompt)
                 generator = torch.Generator().manual_seed(seed * 10 + len(requests))

@@ -403,7 +403,7 @@ def test_keep_rows_returns_only_the_trailing_rows(
 
 def test_llama_engine_in_bf16_tracks_float32(tiny_target_model: LlamaForCausalLM) -> None:
 
-    half = LlamaEngine(copy.deepcopy(tiny_target_model).to(torch.bfloat16))
+    half = LlamaEngine(copy.deepcopy(tiny_target_model).bfloat16())
     sequence = _tokens(60, 40)
     half.open("s", sequence[:30])
     (rows,) = half.forward_new([("s", sequence[30:])])

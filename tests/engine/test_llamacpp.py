@@ -170,6 +170,7 @@ def test_the_engine_choice_follows_the_files_and_the_setting(
     (folder / ENGINE_GGUF).write_bytes(tiny_gguf.read_bytes())
     assert find_gguf(str(folder)) == folder / ENGINE_GGUF
     lm, tokenizer = load_session_lm(str(folder), EngineOptions(device="cpu", max_sessions=3))
+    assert isinstance(lm, LlamaCppEngine)
     assert lm.name == "llama.cpp" and lm.max_sessions == 3
     assert lm.vocab_size == len(tokenizer)
 

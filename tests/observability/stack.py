@@ -36,7 +36,7 @@ def wait_http_ok(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited early:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{proc.args!r} exited early:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return

@@ -28,7 +28,10 @@ from edge_gateway.settings import EdgeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = (ROOT / "compose.yaml", ROOT / "docker" / "compose.gpu.yaml")
-APPS = {"edge-gateway": EdgeSettings, "cloud-verifier": CloudSettings}
+APPS: dict[str, type[EdgeSettings] | type[CloudSettings]] = {
+    "edge-gateway": EdgeSettings,
+    "cloud-verifier": CloudSettings,
+}
 APP_PORTS = {"edge-gateway": 8000, "cloud-verifier": 8001}
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?([-?]))?([^}]*)\}")
 
@@ -91,10 +94,11 @@ def instructions(dockerfile: Path) -> Iterator[tuple[str, str]]:
 
 
 def dockerfile_env(dockerfile: Path) -> dict[str, str]:
-    env = {}
+    env: dict[str, str] = {}
     for keyword, args in instructions(dockerfile):
         if keyword == "ENV":
-            env.update(pair.split("=", 1) for pair in args.split() if "=" in pair)
+            for key, _, value in (p.partition("=") for p in args.split() if "=" in p):
+                env[key] = value
     return env
 
 
@@ -264,7 +268,7 @@ def test_edge_waits_for_the_cloud_and_locust_for_the_link(
 
 def app_environment(name: str) -> dict[str, str]:
     """Every variable an app container gets from its image and from any compose file."""
-    env = {}
+    env: dict[str, str] = {}
     for path in COMPOSE_FILES:
         service = yaml.safe_load(path.read_text())["services"].get(name, {})
         env |= env_of(service)

@@ -33,9 +33,9 @@ def test_a_dead_scheduler_fails_its_waiting_requests_and_refuses_new_ones() -> N
     draft = DraftModel(session_lm(build_tiny_llama(seed=0, hidden_size=32)))
     metrics = EdgeMetrics.create(CollectorRegistry())
 
-    async def run() -> tuple[str | None, BaseException | None]:
+    async def run() -> tuple[str | None, object]:
         scheduler = DraftScheduler(draft, get_mode("asymspec"), 8, metrics)
-        scheduler._batch_ready = lambda: 1 / 0  # type: ignore[method-assign,assignment]
+        scheduler._batch_ready = lambda: 1 / 0  # type: ignore[method-assign,assignment,return-value]
         scheduler.start()
         await scheduler.open("1", [1, 2, 3])
         request = DraftRequest("1", [3], 4, SamplingParams(temperature=0.0), torch.Generator())
@@ -94,7 +94,7 @@ def test_health_reports_a_dead_scheduler_and_a_dead_channel() -> None:
         state.engine = DraftOnlyEngine(state.scheduler)
         await asyncio.sleep(0.05)
         channel_reason = state.not_ready_reason()
-        state.scheduler._batch_ready = lambda: 1 / 0  # type: ignore[method-assign,assignment]
+        state.scheduler._batch_ready = lambda: 1 / 0  # type: ignore[method-assign,assignment,return-value]
         state.scheduler.start()
         await state.scheduler.open("1", [1, 2])
         request = DraftRequest("1", [2], 1, SamplingParams(temperature=0.0), torch.Generator())

@@ -7,6 +7,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -34,7 +35,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     )  # fmt: skip
 
 
-def post(edge: Service, body: dict, key: str | None = KEY, **kw: object) -> httpx.Response:
+def post(edge: Service, body: dict, key: str | None = KEY, **kw: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{edge.url}/v1/completions", json=body, headers=headers, timeout=60, **kw)
 

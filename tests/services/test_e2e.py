@@ -282,7 +282,7 @@ async def sample_tokens(
         return list(await asyncio.gather(*(one(seed) for seed in range(n))))
 
 
-def exact_marginals(target_dir: Path, params: SamplingParams) -> list[dict[tuple[int], float]]:
+def exact_marginals(target_dir: Path, params: SamplingParams) -> list[dict[tuple[int, ...], float]]:
     """The exact distributions of the first and of the second generated token."""
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     first = transform(full_logits(model, PROMPT_IDS)[-1], params).double()
@@ -326,7 +326,7 @@ def test_untruncated_sampling_follows_the_target(
     samples = asyncio.run(sample_tokens(edge, n, 2, 0.7, budget))
     marginals = exact_marginals(pair[0], SamplingParams(temperature=0.7))
     for position, exact in enumerate(marginals):
-        counts = Counter((s[position],) for s in samples)
+        counts: Counter[tuple[int, ...]] = Counter((s[position],) for s in samples)
         assert chi_square_pvalue(exact, counts) > 0.001, position
     used = corrections(edge, rung) - before
     assert used > 50, f"only {used} {rung} corrections: the path under test barely ran"
@@ -434,7 +434,7 @@ def test_concurrent_streams_report_correct_usage_and_metrics(edges: dict[str, Se
                 usage = chunk.get("usage") or usage
                 pieces += len(chunk["choices"])
         assert usage is not None and pieces > 0
-        assert usage["completion_tokens"] <= body["max_tokens"]  # type: ignore[operator]
+        assert usage["completion_tokens"] <= body["max_tokens"]
         return usage["completion_tokens"], usage["prompt_tokens"]
 
     async def run() -> list[tuple[int, int]]:
@@ -496,7 +496,12 @@ def test_bad_input_gets_openai_400_and_service_survives(
 
 def test_bad_chat_input(edges: dict[str, Service]) -> None:
     url = f"{edges['asymspec'].url}/v1/chat/completions"
-    for body in ({"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}):
+    bodies: list[dict[str, Any]] = [
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": [{"role": "user"}]},
+    ]
+    for body in bodies:
         response = httpx.post(url, json={"model": "asymspec", **body})
         assert response.status_code == 400 and "error" in response.json()
 

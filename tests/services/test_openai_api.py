@@ -12,7 +12,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from typing import Any
 
 import httpx
@@ -661,8 +661,8 @@ def test_event_stream_watches_for_disconnects_under_asgi_2_4() -> None:
         sent: list[dict[str, Any]] = []
         first_body = asyncio.Event()
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
             if message["type"] == "http.response.body":
                 first_body.set()
 

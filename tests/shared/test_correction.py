@@ -20,7 +20,7 @@ from asymspec.fidelity import FidelityBudget
 from asymspec.wire import CorrectionKind, FullRow, Proposals, TopK
 
 
-def _fixed(*values: float):  # type: ignore[no-untyped-def]
+def _fixed(*values: float):
     """A uniform source that returns the given values in order (then repeats the last)."""
     queue = list(values)
 

@@ -112,7 +112,9 @@ def target_joint(target: ToyModel) -> dict[tuple[int, ...], float]:
 
 def chi_square_p(counts: Counter[tuple[int, ...]], joint: dict[tuple[int, ...], float]) -> float:
     """Chi-square goodness of fit; cells expecting < 5 are pooled so the test stays valid."""
-    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    observed: list[float] = []
+    expected: list[float] = []
+    pooled_obs, pooled_exp = 0.0, 0.0
     for seq, prob in joint.items():
         if prob * TRIALS >= 5:
             observed.append(counts.get(seq, 0))
