@@ -73,7 +73,7 @@ class ForwardCost:
         one-row decode step on an AMX CPU (2 threads, 11.7 ms alone), 15 rows of a prompt
         1,000 tokens in cost +60 %, where the rows-only fit, made mostly of decode and
         verify rows that attend short prefixes, said a few percent
-        (``loadtest/results/prefill-keys/``)."""
+        (``loadtest/results/prefill-keys/`` in git history)."""
         w = self._weight
         if w <= 0.0:
             return None
@@ -153,7 +153,7 @@ class PrefillBudget:
     CPU, 2 threads, a 1-row step beside chunks of a 1,000-token prompt (33 ms alone, fitted
     slope ~0.6 ms): 15 rows added 8 ms, 16 rows 18 ms, 23 rows 25 ms, 31 rows 28 ms; the
     slope alone said 9, 10, 14 and 19 ms, and let 22 rows beside a step that the share
-    allowed 30 % slow it by 75 % (``loadtest/results/prefill-tiles/``).
+    allowed 30 % slow it by 75 % (``loadtest/results/prefill-tiles/`` in git history).
     """
 
     chunk_tokens: int = 256

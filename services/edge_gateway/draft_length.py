@@ -7,9 +7,9 @@ magnitude. On a GPU or an AMX CPU a verify row rides nearly free, so long blocks
 CPU whose products are compute-bound from a few rows on (AVX512-BF16 alone, AVX2) every
 draft row costs the verifier time, and so does every draft step at the edge. There one
 draft token per block beat four by 22 % at one chat and 16 % at sixteen
-(``loadtest/results/engine-avx512bf16/``). This is SmartSpec's rule (Liu et al., 2024,
-"Optimizing speculative decoding for serving large language models using goodput"), with
-the cost split between the two machines:
+(``loadtest/results/engine-avx512bf16/`` in git history). This is SmartSpec's rule (Liu et
+al., 2024, "Optimizing speculative decoding for serving large language models using
+goodput"), with the cost split between the two machines:
 
 - expected tokens of a block of γ, per-token acceptance α (i.i.d.): ``E(γ) = Σ_{i=0..γ} α^i``
   (the accepted drafts and the bonus or recovered token);
@@ -23,7 +23,7 @@ the cost split between the two machines:
   request waits for two rounds of half the batch (or for its group's round and its
   drafting, where drafting is the longer). Measured on a 2-core AMX Xeon, one core each,
   16 chats: ~7 blocks a round, each request verified every other round
-  (``loadtest/results/full-20261206-layers/`` and ``goodput-pause/``);
+  (``loadtest/results/full-20261206-layers/`` and ``goodput-pause/`` in git history);
 - several in synchronous rounds overlap drafting with verifying as well as they can: the
   longer of the two.
 

@@ -10,8 +10,8 @@ from asymspec.wire import TargetCost
 from edge_gateway.draft_length import GoodputDraftLength
 from edge_gateway.settings import DraftLength, EdgeSettings
 
-# Measured on the AVX512-BF16 EPYC (loadtest/results/engine-avx512bf16/): ~15 ms a forward
-# plus ~1.9 ms a row; on an AMX Xeon rows ride nearly free (35 ms + 0.3 ms a row).
+# Measured on the AVX512-BF16 EPYC (loadtest/results/engine-avx512bf16/ in git history):
+# ~15 ms a forward plus ~1.9 ms a row; on an AMX Xeon rows ride nearly free (35 ms + 0.3 ms a row).
 COMPUTE_BOUND = TargetCost(base_s=0.015, row_s=0.0019)
 ROWS_NEARLY_FREE = TargetCost(base_s=0.035, row_s=0.0003)
 
