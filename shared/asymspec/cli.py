@@ -98,6 +98,18 @@ def defining_class(settings_cls: type[BaseSettings], field: str) -> type:
     return settings_cls
 
 
+def shadowed_fields(settings_cls: type[BaseSettings]) -> set[str]:
+    """Fields that read the same variable as a field declared after them (the edge's own
+    ``mode`` and the shared base's ``colocated_mode`` both read ASYMSPEC_MODE): the later,
+    the service's own, gets the flag."""
+    fields = list(settings_cls.model_fields)
+    return {
+        field
+        for i, field in enumerate(fields)
+        if any(env_name(settings_cls, field) == env_name(settings_cls, f) for f in fields[i + 1 :])
+    }
+
+
 def build_parser(settings_cls: type[BaseSettings], prog: str) -> OneLineParser:
     """Flags grouped by the class that declares them: the service's own first."""
     parser = OneLineParser(
@@ -113,6 +125,8 @@ def build_parser(settings_cls: type[BaseSettings], prog: str) -> OneLineParser:
         if cls in owners
     }
     for field, info in settings_cls.model_fields.items():
+        if field in shadowed_fields(settings_cls):
+            continue
         group = groups[defining_class(settings_cls, field)]
         help_text = help_line(settings_cls, field)
         if info.annotation is bool:

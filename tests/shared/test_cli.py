@@ -10,7 +10,7 @@ import sys
 import pytest
 from pydantic_settings import BaseSettings
 
-from asymspec.cli import build_parser, env_name, flag_name, parse_settings
+from asymspec.cli import build_parser, env_name, flag_name, parse_settings, shadowed_fields
 from cloud_verifier.settings import CloudSettings
 from edge_gateway.settings import EdgeSettings
 
@@ -26,12 +26,20 @@ def test_every_setting_has_a_flag_an_env_variable_and_a_one_line_description(
 ) -> None:
     settings_cls = SERVICES[service]
     help_text = build_parser(settings_cls, f"python -m {service}").format_help()
+    shadowed = shadowed_fields(settings_cls)
     for field, info in settings_cls.model_fields.items():
         assert info.description and "\n" not in info.description, field
         env = env_name(settings_cls, field)
         assert env.startswith("ASYMSPEC_") and env.isupper(), (field, env)
-        assert flag_name(field) in help_text, field
         assert f"env: {env})" in " ".join(help_text.split()), field
+        assert (flag_name(field) in help_text) != (field in shadowed), field
+
+
+def test_a_variable_two_fields_read_gets_one_flag() -> None:
+    """The edge's mode is the shared ASYMSPEC_MODE, which the base class reads as well."""
+    assert shadowed_fields(EdgeSettings) == {"colocated_mode"}
+    assert shadowed_fields(CloudSettings) == set()
+    assert "--colocated-mode" not in build_parser(EdgeSettings, "edge").format_help()
 
 
 def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +97,7 @@ def test_help_through_a_real_process(service: str) -> None:
     done = run_module(service, "--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: python -m {service} [options]")
-    for field in SERVICES[service].model_fields:
+    for field in set(SERVICES[service].model_fields) - shadowed_fields(SERVICES[service]):
         assert flag_name(field) in done.stdout
         assert env_name(SERVICES[service], field) in done.stdout.replace("\n", "")
 
