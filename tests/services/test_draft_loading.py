@@ -8,6 +8,7 @@ import pytest
 from asymspec_engine.embedded import COMMITTED_DRAFT_DIR
 from asymspec_engine.head_vocab import read_head_vocab
 from asymspec_engine.llama import LlamaEngine
+from asymspec_engine.llamacpp import LlamaCppEngine
 from edge_gateway.app import load_draft
 from edge_gateway.settings import EdgeSettings
 
@@ -30,5 +31,6 @@ def test_the_edge_restricts_the_draft_head_as_its_folder_says(restrict: bool) ->
 def test_on_llama_cpp_the_draft_scores_every_token() -> None:
     settings = EdgeSettings(shared_secret="s" * 16, threads=1)  # auto: llama.cpp on a CPU
     draft, _ = load_draft(settings)
+    assert isinstance(draft.lm, LlamaCppEngine)
     assert draft.lm.name == "llama.cpp" and not draft.lm.restricts_head
     assert draft.restricted_head() is None
