@@ -22,7 +22,9 @@ import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
 from asymspec_engine.feature_draft import features_to_wire
+from asymspec.constraint import ConstraintBuilder
 from asymspec.correction import Rung
+from asymspec.grammar import GrammarError
 from asymspec.wire import (
     BlockId,
     CloseSession,
@@ -97,8 +99,16 @@ class _Connection:
 
 
 class ChannelServer:
-    def __init__(self, settings: CloudSettings, batcher: Batcher, metrics: CloudMetrics) -> None:
+    def __init__(
+        self,
+        settings: CloudSettings,
+        batcher: Batcher,
+        metrics: CloudMetrics,
+        constraints: ConstraintBuilder | None = None,
+    ) -> None:
         self.settings, self.batcher, self.metrics = settings, batcher, metrics
+        # penalties and grammars (a grammar needs the target's tokenizer)
+        self.constraints = constraints or ConstraintBuilder(None, batcher.vocab_size)
         self.server_id = f"cloud-{settings.port}"
         self.connections: set[_Connection] = set()
 
@@ -221,6 +231,10 @@ class ChannelServer:
         )
         if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
             raise WireError(ErrorCode.MALFORMED, "prompt token id outside the vocabulary")
+        try:
+            session.constraint = self.constraints.build(msg.sampling, session.confirmed)
+        except GrammarError as exc:
+            raise WireError(ErrorCode.UNSUPPORTED, f"cannot run the grammar: {exc}") from None
         if msg.wants_features and not self.batcher.target.provides_features:
             raise WireError(
                 ErrorCode.UNSUPPORTED,

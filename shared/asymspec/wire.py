@@ -9,7 +9,11 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     version  = PROTOCOL_VERSION (1 byte); a mismatch is ErrorCode.VERSION_MISMATCH
     type     = MessageType code (1 byte)
     BlockId  = array [session_id, seq, base_len, config_digest]
-    Sampling = array [temperature, top_k, top_p, seed]   (plain msgpack numbers: not p or q)
+    Sampling = array [temperature, top_k, top_p, seed, Extras | nil]  (not p or q)
+    Extras   = array [min_p, logit_bias ids (uint32), logit_bias values (float32),
+               repetition_penalty, presence_penalty, frequency_penalty, grammar (str,
+               "" for none)]: the rest of the request's transform, sent once per session
+               (nil when the request uses none of it, so a plain request pays one byte)
     payload  = array [CorrectionKind, field_1, ...]      (TopK, Proposals, FullRow)
     arrays   = bin of raw little-endian bytes: token ids uint32, probabilities float32
                (bit-exact: NaN payloads, -0.0, subnormals, inf), full-upload q rows float16
@@ -63,11 +67,12 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from asymspec.sampling_params import SamplingParams
+from asymspec.sampling_params import NO_PENALTIES, Penalties, SamplingParams
 
 # 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost;
-# 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding)
-PROTOCOL_VERSION = 5
+# 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding);
+# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar)
+PROTOCOL_VERSION = 6
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -146,10 +151,37 @@ def _malformed(message: str) -> WireError:
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """A request's sampling settings (validated where they are made) and its seed."""
+    """A request's sampling settings (validated where they are made) and its seed; the
+    penalties and the grammar (an ``asymspec.grammar`` text, "" for none) are the part of
+    the transform that reads the tokens before each row (``asymspec.constraint``)."""
 
     params: SamplingParams
     seed: int
+    penalties: Penalties = NO_PENALTIES
+    grammar: str = ""
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a row's transform depends on the tokens before it (penalties, grammar)."""
+        return self.penalties.active or bool(self.grammar)
+
+
+def _extras(sampling: SamplingConfig) -> list[Any] | None:
+    """The Extras array, or None when the config has none of them."""
+    p, pen = sampling.params, sampling.penalties
+    if not (p.min_p or p.logit_bias or pen.active or sampling.grammar):
+        return None
+    ids = np.asarray([token for token, _ in p.logit_bias], dtype=_WIRE_U32)
+    values = np.asarray([bias for _, bias in p.logit_bias], dtype=_WIRE_F32)
+    return [
+        float(p.min_p),
+        _u32s(ids),
+        _f32s(values),
+        float(pen.repetition),
+        float(pen.presence),
+        float(pen.frequency),
+        _str(sampling.grammar),
+    ]
 
 
 def config_digest(sampling: SamplingConfig) -> int:
@@ -157,6 +189,10 @@ def config_digest(sampling: SamplingConfig) -> int:
     # + 0.0 folds -0.0 into 0.0: both mean the same config and must digest the same.
     p = sampling.params
     canonical = struct.pack("<dQdQ", p.temperature + 0.0, p.top_k, p.top_p + 0.0, sampling.seed)
+    extras = _extras(sampling)
+    if extras is not None:
+        folded = [x + 0.0 if isinstance(x, float) else x for x in extras]
+        canonical += _packb(folded)
     return zlib.crc32(canonical)
 
 
@@ -279,7 +315,8 @@ class OpenSession(_Wire):
 
     def _fields(self) -> list[Any]:
         p, seed = self.sampling.params, self.sampling.seed
-        sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed)]
+        extras = _extras(self.sampling)
+        sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed), extras]
         first = [int(self.first_kind), self.first_size]
         prompt = zlib.compress(_u32s(self.prompt_tokens), 6)
         return [self.session_id, prompt, sampling, first, bool(self.wants_features)]
@@ -648,13 +685,25 @@ class _Fields:
         return self.block()
 
     def sampling(self) -> SamplingConfig:
-        f = self.nested(4, "SamplingConfig")
+        f = self.nested(5, "SamplingConfig")
         temperature, top_k, top_p, seed = f.real(), f.uint(), f.real(), f.uint(_U64_MAX)
+        if f.peek_none():
+            f.skip()
+            try:
+                return SamplingConfig(SamplingParams(temperature, top_k, top_p), seed)
+            except ValueError as exc:
+                raise _malformed(f"bad sampling config: {exc}") from None
+        x = f.nested(7, "Extras")
+        min_p, ids, values = x.real(), x.tokens(), x.probs()
+        _same_length(ids, values, "logit_bias")
+        repetition, presence, frequency, grammar = x.real(), x.real(), x.real(), x.text()
+        bias = tuple((int(t), float(v)) for t, v in zip(ids, values, strict=True))
         try:
-            params = SamplingParams(temperature, top_k, top_p)
+            params = SamplingParams(temperature, top_k, top_p, min_p, bias)
+            penalties = Penalties(repetition, presence, frequency)
         except ValueError as exc:
             raise _malformed(f"bad sampling config: {exc}") from None
-        return SamplingConfig(params, seed)
+        return SamplingConfig(params, seed, penalties, grammar)
 
     def payload(self) -> Payload:
         value, where = self._next()
