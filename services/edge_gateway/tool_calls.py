@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from asymspec.grammar import COMPACT_JSON
 from edge_gateway.schemas import FunctionCall, NamedToolChoice, Tool, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -51,7 +52,8 @@ def lark_grammar(tools: list[Tool], choice: str | NamedToolChoice) -> str | None
     if not callable_tools:
         return None
     schemas = [_call_schema(t) for t in callable_tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {**schema, "x-guidance": COMPACT_JSON}  # as response_format's: no runs of blanks
     rules = [
         f"call: {json.dumps(CALL_OPEN)} args {json.dumps(CALL_CLOSE)}",
         f"args: %json {json.dumps(schema)}",
