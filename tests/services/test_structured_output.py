@@ -1,0 +1,361 @@
+"""Structured output, tool calls, penalties and per-request speculation through real
+processes (a cloud verifier and edges in the asymspec and target-only modes, the tiny
+real model pair), driven with the official ``openai`` client.
+
+- JSON-schema answers parse and validate at T = 0 and T = 0.8 in both modes, and greedy
+  ones are identical between them (float32);
+- constrained speculative sampling (grammar, penalties, logit bias) follows the constrained
+  target distribution (χ² on the first tokens against the target model's own rows);
+- tool calls (required, named, auto; streamed and not; a second turn with a tool message);
+- ``num_draft_tokens: 0`` turns speculation off and the stats say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema_rs
+import pytest
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asymspec.constraint import Constraint
+from asymspec.grammar import GrammarCompiler, from_regex
+from asymspec.sampling_params import Penalties, SamplingParams
+from tests.engine.conftest import full_logits
+from tests.services.processes import Service, cloud_env, edge_env, free_port, running, running_all
+from tests.services.test_e2e import chi_square_pvalue
+from tests.services.tiny_models import save_tiny_pair
+
+MODES = ("asymspec", "target-only")
+USER = [{"role": "user", "content": "Describe a person as JSON."}]
+
+_NAME = {"type": "string", "maxLength": 8}
+_AGE = {"type": "integer", "minimum": 0, "maximum": 120}
+_COLOR = {"enum": ["red", "green", "blue"]}
+
+
+def _obj(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+    }
+
+
+# Held out: written for this test, not tuned on the tiny model's outputs. Strings, arrays and
+# numbers are bounded so that a random model's answer ends within the token budget.
+SCHEMAS: list[dict[str, Any]] = [
+    _obj({"name": _NAME}),
+    _obj({"name": _NAME, "age": _AGE}),
+    _obj({"color": _COLOR}),
+    _obj({"ok": {"type": "boolean"}, "note": {"type": "null"}}),
+    _obj({"tags": {"type": "array", "items": _COLOR, "maxItems": 3}}),
+    _obj({"ids": {"type": "array", "items": _AGE, "minItems": 1, "maxItems": 2}}),
+    _obj({"person": _obj({"name": _NAME, "age": _AGE})}),
+    _obj({"a": _obj({"b": _obj({"c": _COLOR})})}),
+    _obj({"name": _NAME, "nick": _NAME}, required=["name"]),
+    _obj({"kind": {"const": "point"}, "x": _AGE, "y": _AGE}),
+    _obj({"value": {"anyOf": [_AGE, {"type": "boolean"}]}}),
+    _obj({"items": {"type": "array", "items": _obj({"id": _AGE}), "maxItems": 2}}),
+    _obj({"level": {"enum": ["low", "mid", "high"]}, "score": _AGE}),
+    _obj({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}),
+    _obj({"first": _NAME, "last": _NAME, "age": _AGE}),
+    _obj(
+        {"flag": {"type": "boolean"}, "colors": {"type": "array", "items": _COLOR, "maxItems": 2}}
+    ),
+    _obj({"pair": {"type": "array", "prefixItems": [_AGE, _COLOR], "items": False}}),
+    _obj({"meta": _obj({"v": {"enum": [1, 2, 3]}}), "name": _NAME}),
+    _obj({"n": {"type": "integer", "minimum": -5, "maximum": 5}}),
+    {"type": "array", "items": _obj({"c": _COLOR}), "minItems": 1, "maxItems": 2},
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": _obj({"city": _NAME, "unit": {"enum": ["C", "F"]}}),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": _obj({"zone": {"enum": ["UTC", "CET"]}})},
+}
+TOOL_SCHEMAS = {
+    "get_weather": WEATHER["function"]["parameters"],
+    "get_time": TIME["function"]["parameters"],
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def edges(
+    pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Service]]:
+    logs = tmp_path_factory.mktemp("logs")
+    with ExitStack() as stack:
+        cloud_port = free_port()
+        stack.enter_context(
+            running("cloud_verifier", cloud_port, cloud_env(pair[0], cloud_port), logs)
+        )
+        specs = {}
+        for mode in MODES:
+            port = free_port()
+            env = edge_env(pair[1], port, cloud_port, mode, max_model_len="1024")
+            specs[mode] = ("edge_gateway", port, env)
+        yield stack.enter_context(running_all(specs, logs))
+
+
+def client(edge: Service) -> OpenAI:
+    return OpenAI(base_url=f"{edge.url}/v1", api_key="unused", max_retries=0)
+
+
+# ---------------------------------------------------------------- JSON schemas
+
+
+def json_answer(edge: Service, schema: dict[str, Any], temperature: float, seed: int) -> str:
+    response = client(edge).chat.completions.create(
+        model="asymspec",
+        messages=USER,  # type: ignore[arg-type]
+        max_completion_tokens=300,
+        temperature=temperature,
+        seed=seed,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert choice.message.content is not None
+    return choice.message.content
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_schema_answers_parse_and_validate(
+    edges: dict[str, Service], temperature: float
+) -> None:
+    jobs = [(mode, i) for mode in MODES for i in range(len(SCHEMAS))]
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(
+            pool.map(
+                lambda job: json_answer(edges[job[0]], SCHEMAS[job[1]], temperature, job[1]), jobs
+            )
+        )
+    answers = dict(zip(jobs, texts, strict=True))
+    for (mode, i), text in answers.items():
+        value = json.loads(text)
+        assert jsonschema_rs.validator_for(SCHEMAS[i]).is_valid(value), (mode, i, text)
+    if temperature == 0.0:  # float32 on both sides: the greedy answer is the target's
+        for i in range(len(SCHEMAS)):
+            assert answers[("asymspec", i)] == answers[("target-only", i)], i
+
+
+def test_json_object_and_vllm_extensions(edges: dict[str, Service]) -> None:
+    oai = client(edges["asymspec"])
+    base: dict[str, Any] = {"model": "asymspec", "max_tokens": 200, "temperature": 0.8, "seed": 3}
+    # Any object: its keys are unbounded strings, which a random model at T = 0.8 rarely
+    # closes; greedy on a short chat it does.
+    answer = oai.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_object"},
+        **{**base, "temperature": 0.0},
+    ).choices[0]
+    assert answer.finish_reason == "stop" and isinstance(
+        json.loads(answer.message.content or ""), dict
+    )
+    choice = oai.completions.create(
+        prompt="Pick:", extra_body={"guided_choice": ["alpha", "beta", "gamma"]}, **base
+    )
+    assert choice.choices[0].text in {"alpha", "beta", "gamma"}
+    regex = oai.completions.create(prompt="Code:", extra_body={"guided_regex": "[A-F]{4}"}, **base)
+    assert len(regex.choices[0].text) == 4 and set(regex.choices[0].text) <= set("ABCDEF")
+    lark = oai.completions.create(
+        prompt="Answer:", extra_body={"guided_grammar": 'start: "yes" | "no" | "maybe"'}, **base
+    )
+    assert lark.choices[0].text in {"yes", "no", "maybe"}
+    schema = _obj({"n": _AGE})
+    vllm = oai.completions.create(
+        prompt="JSON:", extra_body={"structured_outputs": {"json": schema}}, **base
+    )
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(vllm.choices[0].text))
+
+
+# ---------------------------------------------------------------- distribution
+
+PROMPT_IDS = [40, 41, 42, 43, 44, 45]
+DIGITS = "[0-9]+"
+PARAMS = SamplingParams(temperature=1.0, top_k=6, logit_bias=((7, 1.5),))
+PENALTIES = Penalties(repetition=1.5, presence=0.5, frequency=0.25)
+
+
+def constrained_joint(target_dir: Path, length: int) -> dict[tuple[int, ...], float]:
+    """The exact joint of the first tokens under the constrained target: each row is the
+    target's own logits through the same transform (penalties, the grammar's mask, top-k)."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size)
+    grammar = from_regex(DIGITS)
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for seq, prob in joint.items():
+            constraint = Constraint(
+                PARAMS, PENALTIES, compiler.matcher(grammar), PROMPT_IDS, model.config.vocab_size
+            )
+            row = constraint.next_row(full_logits(model, [*PROMPT_IDS, *seq])[-1], seq).double()
+            for token in row.nonzero().flatten().tolist():
+                grown[(*seq, token)] = prob * float(row[token] / row.sum())
+        joint = grown
+    return joint
+
+
+async def sample_constrained(edge: Service, n: int, length: int) -> Counter[tuple[int, ...]]:
+    counts: Counter[tuple[int, ...]] = Counter()
+    limit = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as http:
+
+        async def one(seed: int) -> None:
+            body = {
+                "model": "asymspec", "prompt": PROMPT_IDS, "max_tokens": length,
+                "temperature": PARAMS.temperature, "top_k": PARAMS.top_k,
+                "logit_bias": {"7": 1.5}, "repetition_penalty": PENALTIES.repetition,
+                "presence_penalty": PENALTIES.presence,
+                "frequency_penalty": PENALTIES.frequency, "guided_regex": DIGITS,
+                "seed": seed, "return_token_ids": True,
+            }  # fmt: skip
+            async with limit:
+                response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            counts[tuple(response.json()["choices"][0]["token_ids"][:length])] += 1
+
+        await asyncio.gather(*(one(seed) for seed in range(n)))
+    return counts
+
+
+@pytest.mark.slow
+def test_constrained_speculative_sampling_follows_the_constrained_target(
+    edges: dict[str, Service], pair: tuple[Path, Path]
+) -> None:
+    n, length = 1500, 3
+    joint = constrained_joint(pair[0], length)
+    counts = asyncio.run(sample_constrained(edges["asymspec"], n, length))
+    assert sum(counts.values()) == n and set(counts) <= set(joint), set(counts) - set(joint)
+    assert chi_square_pvalue(joint, counts) > 0.001
+
+
+# ---------------------------------------------------------------- tool calls
+
+
+def _valid_call(call: Any, names: set[str]) -> dict[str, Any]:
+    assert call.type == "function" and call.id and call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    assert jsonschema_rs.validator_for(TOOL_SCHEMAS[call.function.name]).is_valid(arguments)
+    return dict(arguments)
+
+
+def _less_than_token(pair: tuple[Path, Path]) -> int:
+    return int(AutoTokenizer.from_pretrained(pair[0]).convert_tokens_to_ids("<"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_tool_calls_are_valid_streamed_and_not(
+    edges: dict[str, Service], pair: tuple[Path, Path], mode: str, choice: str
+) -> None:
+    oai = client(edges[mode])
+    tool_choice: Any = choice
+    names = {"get_weather", "get_time"}
+    extra: dict[str, Any] = {}
+    if choice == "named":
+        tool_choice = {"type": "function", "function": {"name": "get_time"}}
+        names = {"get_time"}
+    if choice == "auto":  # the tiny model would write text: lean it towards a call's "<"
+        extra = {"logit_bias": {str(_less_than_token(pair)): 100}}
+    request: dict[str, Any] = {
+        "model": "asymspec", "messages": USER, "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice, "max_tokens": 200, "temperature": 0.8, "seed": 5, **extra,
+    }  # fmt: skip
+    response = oai.chat.completions.create(**request)
+    choice0 = response.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+    assert choice0.message.tool_calls and len(choice0.message.tool_calls) == 1
+    arguments = _valid_call(choice0.message.tool_calls[0], names)
+
+    deltas = list(oai.chat.completions.create(stream=True, **request))
+    calls = [
+        d.choices[0].delta.tool_calls for d in deltas if d.choices and d.choices[0].delta.tool_calls
+    ]
+    finish = [
+        d.choices[0].finish_reason for d in deltas if d.choices and d.choices[0].finish_reason
+    ]
+    assert finish == ["tool_calls"] and len(calls) == 1 and calls[0][0].index == 0
+    streamed = calls[0][0]
+    assert streamed.function.name == choice0.message.tool_calls[0].function.name
+    assert json.loads(streamed.function.arguments) == arguments  # same seed, same call
+
+
+def test_a_tool_answer_goes_back_into_the_conversation(edges: dict[str, Service]) -> None:
+    oai = client(edges["asymspec"])
+    first = oai.chat.completions.create(
+        model="asymspec", messages=USER, tools=[WEATHER], tool_choice="required",  # type: ignore[arg-type, list-item]
+        max_tokens=200, temperature=0, seed=1,
+    )  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    second = oai.chat.completions.create(
+        model="asymspec",
+        messages=[
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+        ],  # type: ignore[list-item]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    assert second.choices[0].message.tool_calls is None
+    assert second.choices[0].message.content  # free text: the tool's answer was read
+    alone = oai.chat.completions.create(
+        model="asymspec",
+        messages=USER,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert second.usage is not None and alone.usage is not None
+    # the call and the tool's answer are in the prompt, beside the user's turn
+    assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 30
+
+
+# ---------------------------------------------------------------- speculation control
+
+
+def test_num_draft_tokens_zero_turns_speculation_off(edges: dict[str, Service]) -> None:
+    body = {"model": "asymspec", "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    off = httpx.post(
+        f"{edges['asymspec'].url}/v1/completions", json={**body, "num_draft_tokens": 0}
+    ).json()
+    stats = off["metrics"]["speculative_decoding"]
+    assert stats["num_drafts"] == 0 and stats["paused_tokens"] == {"request": 12}
+    on = httpx.post(f"{edges['asymspec'].url}/v1/completions", json=body).json()
+    assert on["metrics"]["speculative_decoding"]["num_drafts"] > 0
+    assert on["metrics"]["speculative_decoding"]["paused_tokens"] == {}
+    assert off["choices"][0]["text"] == on["choices"][0]["text"]  # greedy: the target's
+    pinned = httpx.post(
+        f"{edges['asymspec'].url}/v1/completions", json={**body, "num_draft_tokens": 16}
+    ).json()
+    # 12 tokens cannot hold a block of 16: the stats say the pinned γ was cut, and why
+    assert pinned["metrics"]["speculative_decoding"]["shortened_blocks"]["max_tokens"] >= 1
