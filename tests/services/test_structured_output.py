@@ -213,6 +213,9 @@ def constrained_joint(target_dir: Path, length: int) -> dict[tuple[int, ...], fl
     for _ in range(length):
         grown = {}
         for seq, prob in joint.items():
+            if seq and seq[-1] == tokenizer.eos_token_id:  # the answer ended: it stays
+                grown[seq] = prob
+                continue
             constraint = Constraint(
                 PARAMS, PENALTIES, compiler.matcher(grammar), PROMPT_IDS, model.config.vocab_size
             )
@@ -359,3 +362,220 @@ def test_num_draft_tokens_zero_turns_speculation_off(edges: dict[str, Service]) 
     ).json()
     # 12 tokens cannot hold a block of 16: the stats say the pinned γ was cut, and why
     assert pinned["metrics"]["speculative_decoding"]["shortened_blocks"]["max_tokens"] >= 1
+
+
+# ---------------------------------------------------------------- every request field
+
+# vLLM's request fields beyond OpenAI's (its protocol.py, both endpoints), here by name
+VLLM_FIELDS = (
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "return_token_ids",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "use_beam_search", "length_penalty", "min_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "structural_tag", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
+    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+)  # fmt: skip
+OURS = ("fidelity_budget", "num_draft_tokens")
+# Accepted without effect, as docs/api.md lists them: the answer equals the baseline's.
+BOOKKEEPING = {
+    "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+    "safety_identifier": "s-1", "prompt_cache_key": "c-1", "prompt_cache_retention": "24h",
+}  # fmt: skip
+# Refused with a 400 naming the field (a value that would change the answer).
+REFUSED = {
+    "n": 2, "best_of": 2, "echo": True, "suffix": "end", "logprobs": 1, "top_logprobs": 2,
+    "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}],
+    "function_call": "auto", "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high", "verbosity": "low", "web_search_options": {},
+    "moderation": {}, "prompt_cache_options": {}, "modalities": ["audio"],
+    "use_beam_search": True, "length_penalty": 2.0, "min_tokens": 4,
+    "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 2,
+    "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["a"],
+    "add_generation_prompt": False, "continue_final_message": True,
+    "add_special_tokens": True, "documents": [], "chat_template": "x",
+    "chat_template_kwargs": {}, "mm_processor_kwargs": {}, "structural_tag": "{}",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "priority": 1, "request_id": "r", "logits_processors": ["x"],
+    "return_tokens_as_token_ids": True, "cache_salt": "s", "kv_transfer_params": {},
+    "vllm_xargs": {},
+}  # fmt: skip
+
+
+class Probe:
+    """Requests against one edge, and the target's own greedy answer to compare with."""
+
+    def __init__(self, edge: Service, target_dir: Path) -> None:
+        self.edge = edge
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.vocab = self.model.config.vocab_size
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{self.edge.url}/v1/{path}", json={"model": "asymspec", **body}, timeout=60
+        )
+
+    def ids(self, body: dict[str, Any], path: str = "completions") -> list[int]:
+        response = self.post(path, {**CMPL, **body} if path == "completions" else body)
+        assert response.status_code == 200, response.text
+        return list(response.json()["choices"][0]["token_ids"])
+
+    def greedy(self, params: SamplingParams, penalties: Penalties, n: int = 8) -> list[int]:
+        """The target's greedy answer under the transform, token by token in float32."""
+        constraint = Constraint(params, penalties, None, PROMPT_IDS, self.vocab)
+        out: list[int] = []
+        for _ in range(n):
+            row = constraint.next_row(full_logits(self.model, [*PROMPT_IDS, *out])[-1], [])
+            out.append(int(row.argmax()))
+            constraint.commit([out[-1]])
+        return out
+
+
+CMPL = {"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True}  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _honoured(probe: Probe, field: str) -> None:
+    """One assertion per honoured field that shows its effect."""
+    base = probe.ids({})
+    hot = {"temperature": 2.0, "seed": 11}
+    checks: dict[str, Any] = {
+        "prompt": lambda: probe.ids({"prompt": [50, 51]}) != base,
+        "model": lambda: probe.post("completions", {**CMPL, "model": "gpt-4o"}).status_code == 404,
+        "max_tokens": lambda: len(probe.ids({"max_tokens": 3})) == 3,
+        "max_completion_tokens": lambda: len(probe.ids({"max_completion_tokens": 4})) == 4,
+        "temperature": lambda: probe.ids(hot) != base,
+        "seed": lambda: probe.ids(hot) == probe.ids(hot),
+        "top_p": lambda: probe.ids({**hot, "top_p": 1e-6}) == base,
+        "top_k": lambda: probe.ids({**hot, "top_k": 1}) == base,
+        "min_p": lambda: probe.ids({"temperature": 1.8, "seed": 11, "min_p": 1.0}) == base,
+        "presence_penalty": lambda: (
+            probe.ids({"presence_penalty": 2.0}) == probe.greedy(GREEDY, Penalties(presence=2.0))
+        ),
+        "frequency_penalty": lambda: (
+            probe.ids({"frequency_penalty": 2.0}) == probe.greedy(GREEDY, Penalties(frequency=2.0))
+        ),
+        "repetition_penalty": lambda: (
+            probe.ids({"repetition_penalty": 2.0})
+            == probe.greedy(GREEDY, Penalties(repetition=2.0))
+        ),
+        "logit_bias": lambda: probe.ids({"logit_bias": {"50": 100}}) == [50] * 8,
+        "stop": lambda: _stops(probe, base),
+        "stop_token_ids": lambda: probe.ids({"stop_token_ids": [base[2]]}) == base[:3],
+        "ignore_eos": lambda: len(base) == 8,
+        "return_token_ids": lambda: len(base) == 8,
+        "stream": lambda: (
+            "data: [DONE]" in probe.post("completions", {**CMPL, "stream": True}).text
+        ),
+        "stream_options": lambda: (
+            '"usage":{'
+            in probe.post(
+                "completions", {**CMPL, "stream": True, "stream_options": {"include_usage": True}}
+            ).text
+        ),
+        "response_format": lambda: (
+            json.loads(
+                _text(
+                    probe,
+                    {
+                        "response_format": {
+                            "type": "json_schema",
+                            "json_schema": {"name": "c", "schema": _obj({"c": _COLOR})},
+                        }
+                    },
+                )
+            )["c"]
+            in _COLOR["enum"]
+        ),
+        "guided_json": lambda: (
+            "c" in json.loads(_text(probe, {"guided_json": _obj({"c": _COLOR})}))
+        ),
+        "guided_regex": lambda: (
+            _text(probe, {"guided_regex": "[ab]{3}"})
+            in {a + b + c for a in "ab" for b in "ab" for c in "ab"}
+        ),
+        "guided_choice": lambda: _text(probe, {"guided_choice": ["x1", "y2"]}) in {"x1", "y2"},
+        "guided_grammar": lambda: _text(probe, {"guided_grammar": 'start: "ok"'}) == "ok",
+        "structured_outputs": lambda: (
+            _text(probe, {"structured_outputs": {"choice": ["q"]}}) == "q"
+        ),
+        "num_draft_tokens": lambda: (
+            _stats(probe, {"num_draft_tokens": 0})["paused_tokens"] == {"request": 8}
+        ),
+        "fidelity_budget": lambda: _stats(probe, {"fidelity_budget": 0.0})["fidelity_spent"] == 0.0,
+    }
+    assert checks[field](), field
+
+
+def _text(probe: Probe, body: dict[str, Any]) -> str:
+    body = {**CMPL, "ignore_eos": False, "max_tokens": 60, **body}
+    response = probe.post("completions", body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def _stats(probe: Probe, body: dict[str, Any]) -> dict[str, Any]:
+    response = probe.post("completions", {**CMPL, **body})
+    assert response.status_code == 200, response.text
+    return dict(response.json()["metrics"]["speculative_decoding"])
+
+
+def _stops(probe: Probe, base: list[int]) -> bool:
+    tokenizer = probe.tokenizer
+    full = tokenizer.decode(base)
+    stop = next(s for s in (tokenizer.decode([t]) for t in base[2:]) if s.strip() and s in full)
+    response = probe.post("completions", {**CMPL, "stop": [stop]}).json()["choices"][0]
+    return bool(response["finish_reason"] == "stop" and stop not in response["text"])
+
+
+HONOURED = (
+    "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "seed", "top_p",
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "stop", "stop_token_ids", "ignore_eos", "return_token_ids", "stream",
+    "stream_options", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "num_draft_tokens", "fidelity_budget",
+)  # fmt: skip
+# chat-only fields, shown in the tool-call and structured-output tests above
+CHAT_HONOURED = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def test_every_request_field_is_honoured_or_refused(
+    edges: dict[str, Service], pair: tuple[Path, Path]
+) -> None:
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    fields = {
+        *completion_params.CompletionCreateParamsBase.__annotations__,
+        *chat_params.CompletionCreateParamsBase.__annotations__,
+        "stream", *VLLM_FIELDS, *OURS,
+    }  # fmt: skip
+    classified = {*HONOURED, *CHAT_HONOURED, *BOOKKEEPING, *REFUSED}
+    assert fields <= classified, f"fields nobody probes: {sorted(fields - classified)}"
+    probe = Probe(edges["asymspec"], pair[0])
+    for field in HONOURED:
+        _honoured(probe, field)
+    chat = {"messages": USER, "max_tokens": 6, "temperature": 0}
+    chat_base = probe.post("chat/completions", chat).json()["choices"][0]["message"]
+    for field, value in BOOKKEEPING.items():  # no effect, as documented
+        answer = probe.post("chat/completions", {**chat, field: value})
+        assert answer.status_code == 200, (field, answer.text)
+        assert answer.json()["choices"][0]["message"] == chat_base, field
+    assert probe.post("chat/completions", {**chat, "modalities": ["text"]}).status_code == 200
+    single = probe.post(
+        "chat/completions",
+        {**chat, "max_tokens": 200, "tools": [WEATHER], "tool_choice": "required",
+         "parallel_tool_calls": False},
+    )  # fmt: skip
+    assert len(single.json()["choices"][0]["message"]["tool_calls"]) == 1
+    for field, value in REFUSED.items():
+        for path, body in (("completions", CMPL), ("chat/completions", chat)):
+            answer = probe.post(path, {**body, field: value})
+            assert answer.status_code == 400, (path, field, answer.text)
+            param = answer.json()["error"]["param"]  # the field, or a path into it
+            assert param.split(".")[0] == field, (path, field, answer.text)
