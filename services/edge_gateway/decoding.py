@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,7 +77,10 @@ def _session_ids() -> Iterator[int]:
 
 
 def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
-    return SamplingConfig(request.params, seed, request.penalties, request.grammar)
+    config = SamplingConfig(request.params, seed, request.penalties, request.grammar)
+    if config.reads_history:  # where its output starts, for a session reopened mid-request
+        config = replace(config, prompt_len=len(request.prompt_ids))
+    return config
 
 
 # What a request can meet from the cloud side (or a dead actor): each has its HTTP answer.

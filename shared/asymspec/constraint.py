@@ -130,9 +130,16 @@ class ConstraintBuilder:
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._compiler
 
-    def build(self, config: SamplingConfig, prompt_ids: Sequence[int]) -> Constraint | None:
-        """None for a config whose rows read no history (the engines' own transform does)."""
+    def build(self, config: SamplingConfig, tokens: Sequence[int]) -> Constraint | None:
+        """The constraint after a session's ``tokens`` (its prompt, then any output it is
+        opened with: ``config.prompt_len`` says where that starts); None for a config whose
+        rows read no history (the engines' own transform is all of it)."""
         if not config.reads_history:
             return None
+        if not 0 < config.prompt_len <= len(tokens):
+            raise GrammarError(f"prompt_len {config.prompt_len} does not fit {len(tokens)} tokens")
         matcher = self.compiler.matcher(config.grammar) if config.grammar else None
-        return Constraint(config.params, config.penalties, matcher, prompt_ids, self.vocab_size)
+        prompt, output = tokens[: config.prompt_len], tokens[config.prompt_len :]
+        constraint = Constraint(config.params, config.penalties, matcher, prompt, self.vocab_size)
+        constraint.commit(output)
+        return constraint

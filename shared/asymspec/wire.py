@@ -12,7 +12,9 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     Sampling = array [temperature, top_k, top_p, seed, Extras | nil]  (not p or q)
     Extras   = array [min_p, logit_bias ids (uint32), logit_bias values (float32),
                repetition_penalty, presence_penalty, frequency_penalty, grammar (str,
-               "" for none)]: the rest of the request's transform, sent once per session
+               "" for none), prompt_len]: the rest of the request's transform, sent once
+               per session; prompt_len says where the output starts in a session's
+               tokens (a session reopened mid-request sends prompt + output)
                (nil when the request uses none of it, so a plain request pays one byte)
     payload  = array [CorrectionKind, field_1, ...]      (TopK, Proposals, FullRow)
     arrays   = bin of raw little-endian bytes: token ids uint32, probabilities float32
@@ -159,6 +161,9 @@ class SamplingConfig:
     seed: int
     penalties: Penalties = NO_PENALTIES
     grammar: str = ""
+    # where the request's output starts (its prompt's length): penalties and the grammar
+    # read the output, and a session reopened mid-request is opened from prompt + output
+    prompt_len: int = 0
 
     @property
     def reads_history(self) -> bool:
@@ -181,6 +186,7 @@ def _extras(sampling: SamplingConfig) -> list[Any] | None:
         float(pen.presence),
         float(pen.frequency),
         _str(sampling.grammar),
+        int(sampling.prompt_len),
     ]
 
 
@@ -693,17 +699,18 @@ class _Fields:
                 return SamplingConfig(SamplingParams(temperature, top_k, top_p), seed)
             except ValueError as exc:
                 raise _malformed(f"bad sampling config: {exc}") from None
-        x = f.nested(7, "Extras")
+        x = f.nested(8, "Extras")
         min_p, ids, values = x.real(), x.tokens(), x.probs()
         _same_length(ids, values, "logit_bias")
         repetition, presence, frequency, grammar = x.real(), x.real(), x.real(), x.text()
+        prompt_len = x.uint()
         bias = tuple((int(t), float(v)) for t, v in zip(ids, values, strict=True))
         try:
             params = SamplingParams(temperature, top_k, top_p, min_p, bias)
             penalties = Penalties(repetition, presence, frequency)
         except ValueError as exc:
             raise _malformed(f"bad sampling config: {exc}") from None
-        return SamplingConfig(params, seed, penalties, grammar)
+        return SamplingConfig(params, seed, penalties, grammar, prompt_len)
 
     def payload(self) -> Payload:
         value, where = self._next()

@@ -120,11 +120,25 @@ def test_a_draft_row_with_no_mass_on_the_allowed_tokens_becomes_uniform_on_them(
     assert math.isclose(float(row.sum()), 1.0, rel_tol=1e-6)
 
 
+def test_a_session_opened_mid_request_starts_where_its_output_left_off() -> None:
+    """A session reopened on another replica gets prompt + output as its tokens; the config's
+    prompt_len tells the constraint which of them are output (penalties count only those)."""
+    config = SamplingConfig(SamplingParams(), 0, Penalties(presence=1.0), prompt_len=2)
+    reopened = ConstraintBuilder(None, V).build(config, [1, 2, 3, 3])
+    fresh = ConstraintBuilder(None, V).build(config, [1, 2])
+    assert reopened is not None and fresh is not None
+    fresh.commit([3, 3])
+    assert torch.equal(reopened.output_counts, fresh.output_counts)
+    assert reopened.output_counts[1] == 0 and reopened.output_counts[3] == 2
+
+
 def test_bad_grammars_are_refused(compiler: GrammarCompiler) -> None:
     with pytest.raises(GrammarError):
         compiler.check(from_json_schema({"type": "bogus"}))
     with pytest.raises(GrammarError):  # no tokenizer on this side: no grammar
-        ConstraintBuilder(None, V).build(SamplingConfig(GREEDY, 0, grammar='start: "a"'), [1])
+        ConstraintBuilder(None, V).build(
+            SamplingConfig(GREEDY, 0, grammar='start: "a"', prompt_len=1), [1]
+        )
     assert ConstraintBuilder(None, V).build(SamplingConfig(GREEDY, 0), [1]) is None
 
 

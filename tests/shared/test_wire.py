@@ -58,6 +58,7 @@ CONSTRAINED = SamplingConfig(
     seed=99,
     penalties=Penalties(repetition=1.2, presence=0.5, frequency=0.25),
     grammar='start: "yes" | "no"',
+    prompt_len=2,
 )
 BLOCK = BlockId(session_id=3, seq=7, base_len=512, config_digest=config_digest(SAMPLING))
 
@@ -204,6 +205,7 @@ def test_every_transform_parameter_is_in_the_digest() -> None:
         replace(CONSTRAINED, penalties=Penalties(1.2, 0.5, 0.0)),
         replace(CONSTRAINED, grammar='start: "no"'),
         replace(CONSTRAINED, grammar=""),
+        replace(CONSTRAINED, prompt_len=3),
     ]
     digests = {config_digest(c) for c in changed}
     assert base not in digests and len(digests) == len(changed)
