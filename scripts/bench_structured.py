@@ -8,7 +8,8 @@ reports per mode of output: accepted draft tokens per block, the acceptance rate
 / drafted), and generated tokens per second of wall time.
 
     .venv/bin/python scripts/bench_structured.py                     # the tiny pair
-    .venv/bin/python scripts/bench_structured.py --target T --draft D --temperature 0
+    .venv/bin/python scripts/bench_structured.py --num-draft-tokens 4 --temperature 0
+    .venv/bin/python scripts/bench_structured.py --target T --draft D
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, help="target checkpoint (default: tiny pair)")
     parser.add_argument("--draft", type=Path, help="draft checkpoint (default: tiny pair)")
     parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--num-draft-tokens", type=int, help="pin γ (default: the server's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = (
@@ -73,7 +75,11 @@ def main() -> None:
                 logs,
             ) as edge,
         ):
-            base = {"model": "asymspec", "messages": USER, "temperature": args.temperature}
+            base: dict[str, Any] = {
+                "model": "asymspec", "messages": USER, "temperature": args.temperature,
+            }  # fmt: skip
+            if args.num_draft_tokens is not None:
+                base["num_draft_tokens"] = args.num_draft_tokens
             ask(edge.url, {**base, "max_tokens": 4})  # warm-up
             constrained, free = [], []
             for seed, schema in enumerate(SCHEMAS):
@@ -87,7 +93,8 @@ def main() -> None:
                     ask(edge.url, {**base, "seed": seed, "max_tokens": length, "ignore_eos": True})
                 )
     report = {"constrained": summary(constrained), "free": summary(free)}
-    print(json.dumps({"temperature": args.temperature, **report}, indent=2))
+    settings = {"temperature": args.temperature, "num_draft_tokens": args.num_draft_tokens}
+    print(json.dumps({**settings, **report}, indent=2))
 
 
 if __name__ == "__main__":
