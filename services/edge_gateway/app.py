@@ -14,12 +14,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from asymspec_engine.draft import DraftModel
-from asymspec_engine.loading import restrict_draft_head
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec_engine.draft import DraftModel
+from asymspec_engine.loading import restrict_draft_head
 from asymspec.constraint import ConstraintBuilder
 from asymspec.model_thread import ModelThread
 from edge_gateway.admission import Admission

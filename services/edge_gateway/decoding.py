@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from asymspec.actors import ActorDied
 from asymspec_engine.draft import Draft, DraftRequest
 from asymspec_engine.engine import draw_uniform
 from asymspec_engine.feature_draft import FeatureLog, features_from_wire
-
-from asymspec.actors import ActorDied
 from asymspec.constraint import ConstraintBuilder
 from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 
 from asymspec.actors import ActorDied, Supervised
+from asymspec_engine.draft import Draft, DraftModel, DraftRequest
 from asymspec.model_thread import ModelThread
 from asymspec.modes import Mode
 from edge_gateway.metrics import EdgeMetrics

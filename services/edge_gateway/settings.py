@@ -6,15 +6,15 @@ from __future__ import annotations
 import enum
 from typing import Annotated, ClassVar
 
-from asymspec_engine.draft import DEFAULT_COPY_WEIGHT
-from asymspec_engine.embedded import EMBEDDED_DRAFT
-from asymspec_engine.hardware import Role
-from asymspec_engine.runtime_settings import RuntimeSettings
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from asymspec_engine.draft import DEFAULT_COPY_WEIGHT
+from asymspec_engine.embedded import EMBEDDED_DRAFT
+from asymspec_engine.hardware import Role
 from asymspec.correction import Ladder
 from asymspec.modes import MODES, Mode, get_mode
+from asymspec_engine.runtime_settings import RuntimeSettings
 
 # The batch above which a colocated edge (make run, the compose stack: both models on one
 # host's cores) lets the cloud decode alone; measured with make run on 2 cores (see the
