@@ -436,9 +436,10 @@ class Batcher:
                 ScoreRequest(job.session.key, new_tokens, gamma, job.session.wants_features)
             )
         # A constrained session's step is scored (γ = 0: the row after its pending tokens)
-        # and sampled here, as its transform reads the tokens before the row.
-        constrained = [job for job in step_jobs if job.session.constraint is not None]
-        step_jobs = [job for job in step_jobs if job.session.constraint is None]
+        # and sampled here, as its transform reads the tokens before the row; so is one
+        # that reports log-probabilities, which need the row.
+        constrained = [job for job in step_jobs if job.session.decodes_here]
+        step_jobs = [job for job in step_jobs if not job.session.decodes_here]
         for job in constrained:
             pending = job.session.pending_tokens(self.target.length(job.session.key))
             scores.append(ScoreRequest(job.session.key, pending, 0))

@@ -35,6 +35,7 @@ from asymspec.wire import (
     Features,
     GenerateRequest,
     GenerateTokens,
+    Logprobs,
     Hello,
     HelloAck,
     Message,
@@ -297,8 +298,20 @@ class ChannelServer:
             async for token in tokens:
                 sent += 1
                 done = token in stop or sent == msg.max_tokens
-                frame = GenerateTokens(msg.session_id, np.array([token], np.uint32), done)
+                logprobs = _logprobs(session) if session.config.logprobs is not None else None
+                ids = np.array([token], np.uint32)
+                frame = GenerateTokens(msg.session_id, ids, done, logprobs)
                 await conn.send(frame)
+
+
+def _logprobs(session: Session) -> Logprobs:
+    """The log-probabilities of the token a frame carries (noted when it was sampled)."""
+    token, ids, values = session.logprobs.popleft()
+    return Logprobs(
+        np.array([token], np.float32),
+        ids.numpy().astype(np.uint32),
+        values.numpy().astype(np.float32),
+    )
 
 
 def _prompt_h(session: Session, hidden_size: int) -> Features | None:

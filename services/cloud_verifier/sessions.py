@@ -14,6 +14,7 @@ target backend (owned by the batcher); this module owns the protocol state aroun
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -58,6 +59,10 @@ class Session:
     wants_features: bool = False  # the edge drafts from the target's h (a feature draft)
     # penalties and a grammar: the transform's rows read the tokens before them (None: not)
     constraint: Constraint | None = None
+    # what the cloud reports of each token it samples, when the session asked: (token's
+    # log-probability, top ids [k], top log-probabilities [k]), oldest first, taken by the
+    # frame that carries the token
+    logprobs: deque[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=deque)
     params: SamplingParams = field(init=False)
     digest: int = field(init=False)
     rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
@@ -153,14 +158,30 @@ class Session:
         if self.constraint is not None:
             self.constraint.commit(tokens)
 
+    @property
+    def decodes_here(self) -> bool:
+        """Whether the cloud's own decoding samples this session here (``decode_next``)
+        rather than inside the target's step: a transform that reads the tokens before
+        the row, or log-probabilities to report."""
+        return self.constraint is not None or self.config.logprobs is not None
+
     def decode_next(self, logits: torch.Tensor) -> int:
-        """The cloud decodes alone under a constraint: sample the next token from the
-        transformed row after the confirmed prefix (logits [V]) and confirm it. (Requests
-        without one are sampled inside the target's step, from the same transform.)"""
-        assert self.constraint is not None
-        row = self.constraint.rows(logits[None], [])[0]
+        """The cloud decodes alone: sample the next token from the transformed row after
+        the confirmed prefix (logits [V]), confirm it, and note its log-probabilities if
+        the session asked. (Other sessions are sampled inside the target's step, from the
+        same transform.)"""
+        if self.constraint is not None:
+            row = self.constraint.rows(logits[None], [])[0]
+        else:
+            row = transform(logits[None], self.params)[0]
         token = sample(row, draw_uniform(self.generator))
         self.extend([token])
+        if self.config.logprobs is not None:
+            # raw: the target's own log-softmax, before the request's transform (vLLM's
+            # default), as float32
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+            top = torch.topk(logprobs, self.config.logprobs)
+            self.logprobs.append((float(logprobs[token]), top.indices, top.values))
         return token
 
     def pending_tokens(self, cached_len: int) -> list[int]:

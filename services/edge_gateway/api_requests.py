@@ -65,8 +65,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise InvalidRequest("only best_of=1 is supported", "best_of")
         if body.suffix:
             raise InvalidRequest("suffix (fill-in-the-middle) is not supported", "suffix")
-    if isinstance(body, CompletionRequest | ChatCompletionRequest) and body.logprobs:
-        raise InvalidRequest("logprobs are not supported", "logprobs")
+    if logprobs(body) is not None and body.stream:
+        raise InvalidRequest("logprobs are not supported with stream", "logprobs")
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -75,6 +75,16 @@ def refuse_unsupported(body: SamplingFields) -> None:
     if body.ignore_eos and grammar_source(body) is not None:
         # a complete grammar allows nothing but the end of the text
         raise InvalidRequest("ignore_eos cannot be combined with structured output", "ignore_eos")
+
+
+def logprobs(body: SamplingFields) -> int | None:
+    """How many top alternatives to report beside each token's log-probability, or None
+    when the request asked for no log-probabilities."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if isinstance(body, ChatCompletionRequest) and body.logprobs:
+        return body.top_logprobs or 0
+    return None
 
 
 def grammar_source(body: SamplingFields) -> str | None:

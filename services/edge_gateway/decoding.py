@@ -80,7 +80,20 @@ def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
     config = SamplingConfig(request.params, seed, request.penalties, request.grammar)
     if config.reads_history:  # where its output starts, for a session reopened mid-request
         config = replace(config, prompt_len=len(request.prompt_ids))
-    return config
+    return replace(config, logprobs=request.logprobs)
+
+
+def _note_logprobs(request: GenerationRequest, frame: GenerateTokens) -> None:
+    """The log-probabilities a cloud frame carries, in token order."""
+    if frame.logprobs is None:
+        return
+    lp = frame.logprobs
+    k = len(lp.top_ids) // max(1, len(frame.tokens))
+    for i in range(len(frame.tokens)):
+        top = slice(i * k, (i + 1) * k)
+        request.token_logprobs.append(
+            (float(lp.token_logprobs[i]), lp.top_ids[top].tolist(), lp.top_logprobs[top].tolist())
+        )
 
 
 # What a request can meet from the cloud side (or a dead actor): each has its HTTP answer.
@@ -333,7 +346,14 @@ class _RequestState:
         speculates``), up to `GENERATE_CHUNK_TOKENS` the cloud decodes alone, as they
         come."""
         engine = self.engine
-        paused = "request" if self.request.num_draft_tokens == 0 else engine.pause_reason()
+        paused = (
+            "request"
+            if self.request.num_draft_tokens == 0
+            # the target's log-probabilities live at the cloud: it samples every token
+            else "logprobs"
+            if self.request.logprobs is not None
+            else engine.pause_reason()
+        )
         if self.next_draft is None and paused is not None:
             decoded = self._cloud_decoded(min(GENERATE_CHUNK_TOKENS, remaining))
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
@@ -358,6 +378,7 @@ class _RequestState:
             await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
             self.tail = []  # the cloud has it now
             async for frame in _generated(channel, queue):
+                _note_logprobs(self.request, frame)
                 for token in (int(t) for t in frame.tokens):
                     self._confirm([token])
                     metrics.cloud_decoded_tokens.inc()
@@ -577,6 +598,12 @@ class DraftOnlyEngine:
         self.session_ids = _session_ids()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        if request.logprobs is not None:
+            raise GenerationError(
+                "logprobs are the target's, and draft-only mode has no target",
+                400,
+                "invalid_request_error",
+            )
         key = str(next(self.session_ids))
         seed = _seed(request)
         generator = torch.Generator().manual_seed(seed % 2**63)
@@ -661,4 +688,5 @@ class TargetOnlyEngine:
         remaining = request.max_new_tokens - len(produced)
         await channel.send(GenerateRequest(session_id, remaining, stop, _NO_TAIL))
         async for frame in _generated(channel, queue):
+            _note_logprobs(request, frame)
             yield [int(t) for t in frame.tokens]

@@ -63,6 +63,9 @@ class SpecStats:
         self.shortened_blocks[reason] = self.shortened_blocks.get(reason, 0) + 1
 
 
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
@@ -74,6 +77,12 @@ class GenerationRequest:
     num_draft_tokens: int | None = None  # γ; None = the server's default; 0: no speculation
     penalties: Penalties = NO_PENALTIES  # read the tokens before each row (both sides)
     grammar: str = ""  # an asymspec.grammar text constraining the output; "" for none
+    # the target's log-probabilities of each token and of this many top alternatives
+    # (None: not asked); the cloud samples every token of such a request
+    logprobs: int | None = None
+    # what the engine received of them, one per generated token: (logprob, top ids, top
+    # logprobs); filled by the engine as tokens come
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list, compare=False)
     fidelity_budget: float | None = None  # ε_req; None = the server's default
     stats: SpecStats = field(default_factory=SpecStats, compare=False)  # filled by the engine
 

@@ -45,6 +45,7 @@ from edge_gateway.api_requests import (
     chat_prompt_ids,
     check_model,
     completion_prompt_ids,
+    logprobs,
     max_new_tokens,
     output_grammar,
     penalties,
@@ -54,7 +55,7 @@ from edge_gateway.api_requests import (
     tool_choice,
     tools_grammar,
 )
-from edge_gateway.engine_api import Engine, GenerationError, GenerationRequest
+from edge_gateway.engine_api import Engine, GenerationError, GenerationRequest, TokenLogprobs
 from edge_gateway.metrics import EdgeMetrics, RequestTimer
 from edge_gateway.schemas import (
     AssistantMessage,
@@ -63,7 +64,9 @@ from edge_gateway.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -72,7 +75,9 @@ from edge_gateway.schemas import (
     SamplingFields,
     SpecDecodingStats,
     Timings,
+    TokenLogprob,
     ToolCall,
+    TopLogprob,
     Usage,
 )
 from edge_gateway.sse import SSE_DONE, EventStream, close_shielded, sse_event
@@ -193,6 +198,7 @@ class OpenAIApi:
             text=text,
             finish_reason=job.finish_reason,
             token_ids=job.token_ids if body.return_token_ids else None,
+            logprobs=None if body.logprobs is None else completion_logprobs(job, tokenizer),
         )
         return JSONResponse(
             CompletionResponse(
@@ -226,7 +232,11 @@ class OpenAIApi:
             job.finish_reason = "tool_calls"
         else:
             message = AssistantMessage(content=text)
-        choice = ChatChoice(message=message, finish_reason=job.finish_reason)
+        choice = ChatChoice(
+            message=message,
+            finish_reason=job.finish_reason,
+            logprobs=chat_logprobs(job, tokenizer) if body.logprobs else None,
+        )
         return JSONResponse(
             ChatCompletionResponse(
                 id=job.response_id,
@@ -314,6 +324,7 @@ class OpenAIApi:
             fidelity_budget=body.fidelity_budget,
             penalties=penalties(body),
             grammar=grammar,
+            logprobs=logprobs(body),
         )
         return _Job(
             response_id=response_id,
@@ -459,6 +470,45 @@ class OpenAIApi:
                 yield event
         finally:
             await close_shielded(events)
+
+
+def _token_text(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
+    return str(tokenizer.decode([token]))
+
+
+def _reported(job: _Job) -> list[tuple[int, TokenLogprobs]]:
+    """Each generated token with what the cloud reported of it (the target's raw
+    log-probabilities), in order; a stop token counted in the answer included."""
+    return list(zip(job.token_ids, job.request.token_logprobs, strict=False))
+
+
+def completion_logprobs(job: _Job, tokenizer: PreTrainedTokenizerBase) -> CompletionLogprobs:
+    tokens, offsets, offset = [], [], 0
+    for token, _ in _reported(job):
+        tokens.append(_token_text(tokenizer, token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp for _, (lp, _, _) in _reported(job)],
+        top_logprobs=[
+            {_token_text(tokenizer, t): v for t, v in zip(ids, values, strict=True)}
+            for _, (_, ids, values) in _reported(job)
+        ],
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(job: _Job, tokenizer: PreTrainedTokenizerBase) -> ChatLogprobs:
+    def top(token: int, logprob: float) -> TopLogprob:
+        text = _token_text(tokenizer, token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for token, (logprob, ids, values) in _reported(job):
+        alternatives = [top(t, v) for t, v in zip(ids, values, strict=True)]
+        content.append(TokenLogprob(**top(token, logprob).model_dump(), top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
 
 
 async def _tool_call_items(job: _Job, deltas: AsyncIterator[str]) -> AsyncIterator[str | ToolCall]:

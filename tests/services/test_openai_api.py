@@ -520,7 +520,9 @@ BAD_REQUESTS = [
         "stream_options",
         id="stream_options without stream",
     ),
-    pytest.param(CHAT_PATH, {"messages": CHAT, "logprobs": True}, "logprobs", id="logprobs"),
+    pytest.param(
+        CHAT_PATH, {"messages": CHAT, "logprobs": True, "stream": True}, "logprobs", id="logprobs"
+    ),
     pytest.param(CMPL_PATH, {"prompt": "hi", "echo": True}, "echo", id="echo"),
     pytest.param(
         CMPL_PATH, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", id="penalty>2"

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import jsonschema_rs
 import pytest
+import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -386,7 +387,7 @@ BOOKKEEPING = {
 }  # fmt: skip
 # Refused with a 400 naming the field (a value that would change the answer).
 REFUSED = {
-    "n": 2, "best_of": 2, "echo": True, "suffix": "end", "logprobs": 1, "top_logprobs": 2,
+    "n": 2, "best_of": 2, "echo": True, "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}],
     "function_call": "auto", "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "verbosity": "low", "web_search_options": {},
@@ -508,6 +509,10 @@ def _honoured(probe: Probe, field: str) -> None:
             _stats(probe, {"num_draft_tokens": 0})["paused_tokens"] == {"request": 8}
         ),
         "fidelity_budget": lambda: _stats(probe, {"fidelity_budget": 0.0})["fidelity_spent"] == 0.0,
+        "logprobs": lambda: (
+            [len(top) for top in _choice(probe, {"logprobs": 2})["logprobs"]["top_logprobs"]]
+            == [2] * 8
+        ),
     }
     assert checks[field](), field
 
@@ -517,6 +522,12 @@ def _text(probe: Probe, body: dict[str, Any]) -> str:
     response = probe.post("completions", body)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
+
+
+def _choice(probe: Probe, body: dict[str, Any]) -> dict[str, Any]:
+    response = probe.post("completions", {**CMPL, **body})
+    assert response.status_code == 200, response.text
+    return dict(response.json()["choices"][0])
 
 
 def _stats(probe: Probe, body: dict[str, Any]) -> dict[str, Any]:
@@ -538,10 +549,10 @@ HONOURED = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "stop", "stop_token_ids", "ignore_eos", "return_token_ids", "stream",
     "stream_options", "response_format", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs", "num_draft_tokens", "fidelity_budget",
+    "guided_grammar", "structured_outputs", "num_draft_tokens", "fidelity_budget", "logprobs",
 )  # fmt: skip
 # chat-only fields, shown in the tool-call and structured-output tests above
-CHAT_HONOURED = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+CHAT_HONOURED = ("messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs")
 
 
 def test_every_request_field_is_honoured_or_refused(
@@ -567,6 +578,10 @@ def test_every_request_field_is_honoured_or_refused(
         assert answer.status_code == 200, (field, answer.text)
         assert answer.json()["choices"][0]["message"] == chat_base, field
     assert probe.post("chat/completions", {**chat, "modalities": ["text"]}).status_code == 200
+    top = probe.post("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}).json()
+    assert [len(t["top_logprobs"]) for t in top["choices"][0]["logprobs"]["content"]] == [3] * 6
+    bare = probe.post("completions", {**CMPL, "top_logprobs": 3})  # a chat field
+    assert bare.status_code == 400 and bare.json()["error"]["param"] == "top_logprobs"
     single = probe.post(
         "chat/completions",
         {**chat, "max_tokens": 200, "tools": [WEATHER], "tool_choice": "required",
@@ -579,3 +594,54 @@ def test_every_request_field_is_honoured_or_refused(
             assert answer.status_code == 400, (path, field, answer.text)
             param = answer.json()["error"]["param"]  # the field, or a path into it
             assert param.split(".")[0] == field, (path, field, answer.text)
+
+
+# ---------------------------------------------------------------- target logprobs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_are_the_targets_own_log_softmax(
+    edges: dict[str, Service], pair: tuple[Path, Path], mode: str
+) -> None:
+    """Raw (before the sampling transform), as vLLM reports them by default: equal to the
+    target's own log-softmax in float32 on the same tokens, with its top alternatives."""
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    for seed, prompt in enumerate(([40, 41, 42, 43, 44, 45], [7, 8, 9], [100, 30, 31, 200])):
+        body = {
+            "model": "asymspec", "prompt": prompt, "max_tokens": 10, "temperature": 0.8,
+            "seed": seed, "logprobs": 5, "ignore_eos": True, "return_token_ids": True,
+        }  # fmt: skip
+        choice = httpx.post(f"{edges[mode].url}/v1/completions", json=body).json()["choices"][0]
+        ids = choice["token_ids"]
+        reported = choice["logprobs"]
+        assert len(ids) == len(reported["token_logprobs"]) == 10
+        rows = torch.log_softmax(full_logits(model, [*prompt, *ids])[len(prompt) - 1 : -1], -1)
+        expected = rows[torch.arange(len(ids)), torch.tensor(ids)]
+        got = torch.tensor(reported["token_logprobs"])
+        assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+        for row, top in zip(rows, reported["top_logprobs"], strict=True):
+            # keyed by text, as OpenAI's: tokens that decode alike (bytes of one character)
+            # share a key, so each value is one of the target's 5 largest
+            best = row.topk(5).values
+            assert 1 <= len(top) <= 5
+            for value in top.values():
+                assert float((best - value).abs().min()) < 1e-4, (value, best)
+
+
+def test_logprobs_travel_only_when_asked(edges: dict[str, Service]) -> None:
+    """The same cloud-decoded request with and without log-probabilities: the downlink
+    carries them (counted in the request's link bytes) only when asked."""
+    body = {"model": "asymspec", "prompt": PROMPT_IDS, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "num_draft_tokens": 0}  # fmt: skip
+    url = f"{edges['asymspec'].url}/v1/completions"
+    plain = httpx.post(url, json=body).json()
+    # without num_draft_tokens: a request with logprobs is decoded by the cloud anyway
+    asked = httpx.post(url, json={**body, "num_draft_tokens": None, "logprobs": 5}).json()
+    assert (
+        plain["choices"][0]["logprobs"] is None
+        and plain["choices"][0]["text"] == asked["choices"][0]["text"]
+    )
+    down = [r["metrics"]["speculative_decoding"]["downlink_bytes"] for r in (plain, asked)]
+    # per token: its own float32 and 5 × (uint32 id + float32): at least 44 bytes more
+    assert down[1] - down[0] >= 16 * 44, down
+    assert asked["metrics"]["speculative_decoding"]["paused_tokens"] == {"logprobs": 16}

@@ -31,6 +31,7 @@ from asymspec.wire import (
     FullRow,
     GenerateRequest,
     GenerateTokens,
+    Logprobs,
     Hello,
     HelloAck,
     Message,
@@ -59,6 +60,7 @@ CONSTRAINED = SamplingConfig(
     penalties=Penalties(repetition=1.2, presence=0.5, frequency=0.25),
     grammar='start: "yes" | "no"',
     prompt_len=2,
+    logprobs=3,
 )
 BLOCK = BlockId(session_id=3, seq=7, base_len=512, config_digest=config_digest(SAMPLING))
 
@@ -128,6 +130,12 @@ def sample_messages() -> list[Message]:
         GenerateRequest(3, 16, u32(0, 2), u32(9)),  # speculation paused after a recovery
         GenerateTokens(3, u32(5, 6, 7), False),
         GenerateTokens(3, u32(), True),
+        GenerateTokens(
+            3,
+            u32(5, 6),
+            False,
+            Logprobs(f32(-0.5, -1.0), u32(5, 1, 6, 2), f32(-0.5, -2.0, -1.0, -1.5)),
+        ),
         ErrorFrame(ErrorCode.STALE_BLOCK, "base_len 512 != committed 515", 3, BLOCK),
         ErrorFrame(ErrorCode.OVERLOADED, "queue full"),
     ]
@@ -478,7 +486,7 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
             ),
             "prompt not a multiple of 4",
         ),
-        (raw_frame(MessageType.GENERATE_TOKENS, 1, b"", 1), "int for bool"),
+        (raw_frame(MessageType.GENERATE_TOKENS, 1, b"", 1, None), "int for bool"),
         (raw_frame(MessageType.ERROR, 99, "x", None, None), "unknown error code"),
     ],
 )
