@@ -34,7 +34,8 @@ class SpecStats:
     uplink_bytes: int = 0  # this request's frames, as asymspec_link_bytes_total counts them
     downlink_bytes: int = 0
     # Tokens the cloud decoded alone for the request, by why it did not speculate then:
-    # "request" (num_draft_tokens 0), "batch_size" (speculative_disable_by_batch_size),
+    # "request" (num_draft_tokens 0), "logprobs" (asked for the target's log-probabilities),
+    # "batch_size" (speculative_disable_by_batch_size),
     # "goodput" (the goodput rule's pause). Empty: the request speculated throughout.
     paused_tokens: dict[str, int] = field(default_factory=dict)
     # Why a block held fewer drafts than the request pinned, in blocks: "max_tokens" (the

@@ -14,7 +14,9 @@ Compatibility notes (docs/api.md has every field):
 - Every request field is honoured or refused with a 400 naming it; unknown fields too.
   Only ``n = 1``, a single prompt, text-only chat content.
 - Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``)
-  and tool calls (``tools_calls``) become one grammar that masks both sides' rows.
+  and tool calls (``tools``) become one grammar that masks both sides' rows.
+- ``logprobs``: the target's raw log-probabilities, reported by the cloud (which then
+  samples every token of the request); not with ``stream``.
 - Extensions: ``top_k`` (-1 or 0 disables), ``min_p``, ``repetition_penalty``,
   ``stop_token_ids`` (vLLM's), ``fidelity_budget`` (ε in [0, 1]) and ``num_draft_tokens``
   (γ in 0..16; 0 turns speculation off for the request).
