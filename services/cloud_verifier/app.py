@@ -19,6 +19,7 @@ from fastapi import FastAPI, Header, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec.constraint import ConstraintBuilder
 from asymspec.model_thread import ModelThread
 from asymspec_engine.feature_draft import FeatureLM
 from asymspec_engine.target import TargetModel
@@ -45,18 +46,20 @@ class CloudState:
         return self.settings.served_model_name or self.settings.target_model
 
 
-def load_target(settings: CloudSettings) -> TargetModel:
-    lm, _ = settings.load(settings.target_model)
+def load_target(settings: CloudSettings) -> tuple[TargetModel, ConstraintBuilder]:
+    """The target, and what builds its sessions' constraints (grammars need its tokenizer)."""
+    lm, tokenizer = settings.load(settings.target_model)
     if isinstance(lm, FeatureLM):
         raise ValueError(f"{settings.target_model} is a feature draft, not a target model")
-    return TargetModel(lm)
+    target = TargetModel(lm)
+    return target, ConstraintBuilder(tokenizer, target.vocab_size)
 
 
 async def _load(state: CloudState) -> None:
     # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.
     model_thread = ModelThread("target")
     try:
-        target = await model_thread.run(load_target, state.settings)
+        target, constraints = await model_thread.run(load_target, state.settings)
     except Exception as exc:
         model_thread.shutdown()
         log.exception("loading the target failed")
@@ -73,7 +76,7 @@ async def _load(state: CloudState) -> None:
         model_thread=model_thread,
     )
     state.batcher.start()
-    state.channel = ChannelServer(s, state.batcher, state.metrics)
+    state.channel = ChannelServer(s, state.batcher, state.metrics, constraints)
     channel = state.channel
     state.metrics.sessions.set_function(lambda: channel.session_count)
     log.info("target %s ready", s.target_model)

@@ -461,6 +461,14 @@ class Batcher:
             scores.append(
                 ScoreRequest(job.session.key, new_tokens, gamma, job.session.wants_features)
             )
+        # A constrained session's step is scored (γ = 0: the row after its pending tokens)
+        # and sampled here, as its transform reads the tokens before the row; so is one
+        # that reports log-probabilities, which need the row.
+        constrained = [job for job in step_jobs if job.session.decodes_here]
+        step_jobs = [job for job in step_jobs if not job.session.decodes_here]
+        for job in constrained:
+            pending = job.session.pending_tokens(self.target.length(job.session.key))
+            scores.append(ScoreRequest(job.session.key, pending, 0))
         for job in step_jobs:
             s = job.session
             pending = s.pending_tokens(self.target.length(s.key))
@@ -469,14 +477,20 @@ class Batcher:
         started = time.perf_counter()
         done = self.target.round(prefills, scores, steps)
         self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started, keys)
-        kind = "verify" if scores else "decode" if steps else "prefill"
+        kind = "verify" if verify_jobs else "decode" if steps or constrained else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         for (_, session), features in zip(starting, done.prefill_features, strict=True):
             if features is not None:
                 session.prompt_features.append(features)
         values: dict[int, Any] = {}
+        scored = done.score_logits[len(verify_jobs) :]
+        for job, rows in zip(constrained, scored, strict=True):
+            values[id(job)] = job.session.decode_next(rows[-1])
         for job, rows, features in zip(
-            verify_jobs, done.score_logits, done.score_features, strict=True
+            verify_jobs,
+            done.score_logits[: len(verify_jobs)],
+            done.score_features[: len(verify_jobs)],
+            strict=True,
         ):
             assert job.block is not None
             kept = len(job.session.confirmed)  # the cache now holds confirmed + the drafts
@@ -486,7 +500,7 @@ class Batcher:
         if verify_jobs:
             self.metrics.verified_blocks.inc(len(verify_jobs))
         for job, token in zip(step_jobs, done.tokens, strict=True):
-            job.session.confirmed.append(token)
+            job.session.extend([token])
             values[id(job)] = token
         return [values[id(job)] for job in jobs]
 

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
+from asymspec.constraint import ConstraintBuilder
 from asymspec.correction import Rung
+from asymspec.grammar import GrammarError
 from asymspec.wire import (
     BlockId,
     CloseSession,
@@ -34,6 +36,7 @@ from asymspec.wire import (
     GenerateTokens,
     Hello,
     HelloAck,
+    Logprobs,
     Message,
     OpenSession,
     SessionOpened,
@@ -97,8 +100,16 @@ class _Connection:
 
 
 class ChannelServer:
-    def __init__(self, settings: CloudSettings, batcher: Batcher, metrics: CloudMetrics) -> None:
+    def __init__(
+        self,
+        settings: CloudSettings,
+        batcher: Batcher,
+        metrics: CloudMetrics,
+        constraints: ConstraintBuilder | None = None,
+    ) -> None:
         self.settings, self.batcher, self.metrics = settings, batcher, metrics
+        # penalties and grammars (a grammar needs the target's tokenizer)
+        self.constraints = constraints or ConstraintBuilder(None, batcher.vocab_size)
         self.server_id = f"cloud-{settings.port}"
         self.connections: set[_Connection] = set()
 
@@ -221,6 +232,10 @@ class ChannelServer:
         )
         if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
             raise WireError(ErrorCode.MALFORMED, "prompt token id outside the vocabulary")
+        try:
+            session.constraint = self.constraints.build(msg.sampling, session.confirmed)
+        except GrammarError as exc:
+            raise WireError(ErrorCode.UNSUPPORTED, f"cannot run the grammar: {exc}") from None
         if msg.wants_features and not self.batcher.target.provides_features:
             raise WireError(
                 ErrorCode.UNSUPPORTED,
@@ -283,8 +298,20 @@ class ChannelServer:
             async for token in tokens:
                 sent += 1
                 done = token in stop or sent == msg.max_tokens
-                frame = GenerateTokens(msg.session_id, np.array([token], np.uint32), done)
+                logprobs = _logprobs(session) if session.config.logprobs is not None else None
+                ids = np.array([token], np.uint32)
+                frame = GenerateTokens(msg.session_id, ids, done, logprobs)
                 await conn.send(frame)
+
+
+def _logprobs(session: Session) -> Logprobs:
+    """The log-probabilities of the token a frame carries (noted when it was sampled)."""
+    token, ids, values = session.logprobs.popleft()
+    return Logprobs(
+        np.array([token], np.float32),
+        ids.numpy().astype(np.uint32),
+        values.numpy().astype(np.float32),
+    )
 
 
 def _prompt_h(session: Session, hidden_size: int) -> Features | None:

@@ -14,12 +14,14 @@ target backend (owned by the batcher); this module owns the protocol state aroun
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
 import torch
 
+from asymspec.constraint import Constraint
 from asymspec.correction import Rung, answer
 from asymspec.sampling import (
     SamplingParams,
@@ -41,6 +43,7 @@ from asymspec.wire import (
     WireError,
     config_digest,
 )
+from asymspec_engine.engine import draw_uniform
 from asymspec_engine.feature_draft import features_to_wire
 
 AnyBlock: TypeAlias = VerifyBlock | VerifyBlockFull
@@ -54,6 +57,12 @@ class Session:
     first_rung: Rung  # what a rejection's verdict carries (rung 0 of the edge's ladder)
     confirmed: list[int]  # prompt + committed tokens
     wants_features: bool = False  # the edge drafts from the target's h (a feature draft)
+    # penalties and a grammar: the transform's rows read the tokens before them (None: not)
+    constraint: Constraint | None = None
+    # what the cloud reports of each token it samples, when the session asked: (token's
+    # log-probability, top ids [k], top log-probabilities [k]), oldest first, taken by the
+    # frame that carries the token
+    logprobs: deque[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=deque)
     params: SamplingParams = field(init=False)
     digest: int = field(init=False)
     rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
@@ -137,11 +146,43 @@ class Session:
 
     def commit_recovered(self, tail: list[int]) -> None:
         """The edge's recovered token (from the next block's tail) joins the prefix."""
-        self.confirmed.extend(tail)
+        self.extend(tail)
         if tail:
             self.awaiting_recovery = False
             self.retained_row = None
             self.answers.clear()
+
+    def extend(self, tokens: list[int]) -> None:
+        """Generated tokens join the confirmed prefix (and advance the constraint)."""
+        self.confirmed.extend(tokens)
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
+
+    @property
+    def decodes_here(self) -> bool:
+        """Whether the cloud's own decoding samples this session here (``decode_next``)
+        rather than inside the target's step: a transform that reads the tokens before
+        the row, or log-probabilities to report."""
+        return self.constraint is not None or self.config.logprobs is not None
+
+    def decode_next(self, logits: torch.Tensor) -> int:
+        """The cloud decodes alone: sample the next token from the transformed row after
+        the confirmed prefix (logits [V]), confirm it, and note its log-probabilities if
+        the session asked. (Other sessions are sampled inside the target's step, from the
+        same transform.)"""
+        if self.constraint is not None:
+            row = self.constraint.rows(logits[None], [])[0]
+        else:
+            row = transform(logits[None], self.params)[0]
+        token = sample(row, draw_uniform(self.generator))
+        self.extend([token])
+        if self.config.logprobs is not None:
+            # raw: the target's own log-softmax, before the request's transform (vLLM's
+            # default), as float32
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+            top = torch.topk(logprobs, self.config.logprobs)
+            self.logprobs.append((float(logprobs[token]), top.indices, top.values))
+        return token
 
     def pending_tokens(self, cached_len: int) -> list[int]:
         """Confirmed tokens the target's cache has not seen (>= 1 by the cache convention)."""
@@ -158,8 +199,11 @@ class Session:
         features [γ+1, hidden] their h, when the edge asked (the verdict carries the
         confirmed ones: the tail's and the accepted drafts').
         """
-        p_rows = transform(logits, self.params)  # [γ+1, V] float32
         tokens = msg.draft_tokens
+        if self.constraint is None:
+            p_rows = transform(logits, self.params)  # [γ+1, V] float32
+        else:  # row i reads the confirmed prefix and the drafts before it
+            p_rows = self.constraint.rows(logits, [int(t) for t in tokens])
         gamma = len(tokens)
         if isinstance(msg, VerifyBlockFull):
             q_rows = draft_rows_from_half(msg.draft_rows)  # [γ, V] as the edge sampled them
@@ -168,15 +212,15 @@ class Session:
             q_rows, q_of_x = None, msg.draft_probs
         outcome = accept_block(tokens, q_of_x, p_rows, self.rng.random(gamma + 1))
         n = outcome.n_accepted
-        self.confirmed.extend(int(t) for t in tokens[:n])
+        self.extend([int(t) for t in tokens[:n]])
         h = None if features is None else features_to_wire(features[: n + 1])
         if outcome.bonus_token is not None:
-            self.confirmed.append(outcome.bonus_token)
+            self.extend([outcome.bonus_token])
             result = VerifyResult(msg.block, n, outcome.bonus_token, None, h)
         elif q_rows is not None:
             # Full-upload modes: the cloud holds q, so it samples the exact residual itself.
             token = sample(residual(p_rows[n], q_rows[n]), float(self.rng.random()))
-            self.confirmed.append(token)
+            self.extend([token])
             result = VerifyResult(msg.block, n, token, None, h)
         else:
             self.retained_row = p_rows[n].clone()

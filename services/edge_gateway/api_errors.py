@@ -53,6 +53,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "could not parse the request body as JSON", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        # a field this server would otherwise ignore: refused, never silently dropped
+        return f"{param}: this server does not support this field", param
     message = str(first.get("msg", "invalid value"))
     return (f"{param}: {message}" if param else message), param
 

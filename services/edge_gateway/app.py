@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from asymspec.constraint import ConstraintBuilder
 from asymspec.model_thread import ModelThread
 from asymspec_engine.draft import DraftModel
 from asymspec_engine.loading import restrict_draft_head
@@ -107,11 +108,14 @@ async def _start(state: EdgeState) -> None:
         prefill_chunk_tokens=s.draft_prefill_chunk_tokens,
     )
     state.scheduler.start()
+    constraints = ConstraintBuilder(state.tokenizer, draft.lm.vocab_size)
     if mode.is_draft_only:
-        state.engine = DraftOnlyEngine(state.scheduler)
+        state.engine = DraftOnlyEngine(state.scheduler, constraints)
     else:
         assert state.cloud is not None
-        state.engine = SpeculativeEngine(s, mode, state.scheduler, state.cloud, state.metrics)
+        state.engine = SpeculativeEngine(
+            s, mode, state.scheduler, state.cloud, state.metrics, constraints
+        )
     log.info("edge ready: mode %s, draft %s", mode.name, s.draft_model)
 
 

@@ -15,12 +15,13 @@ import itertools
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from asymspec.actors import ActorDied
+from asymspec.constraint import ConstraintBuilder
 from asymspec.correction import Correction, Ladder, Recovered, topk_hopeless
 from asymspec.fidelity import FidelityBudget
 from asymspec.modes import Mode
@@ -44,6 +45,7 @@ from asymspec_engine.draft import Draft, DraftRequest
 from asymspec_engine.engine import draw_uniform
 from asymspec_engine.feature_draft import FeatureLog, features_from_wire
 from edge_gateway.channel import ChannelDown, CloudChannel, CloudError, ReplyTimeout
+from edge_gateway.constrained_draft import propose_constrained
 from edge_gateway.draft_length import GoodputDraftLength
 from edge_gateway.engine_api import GenerationError, GenerationRequest
 from edge_gateway.metrics import EdgeMetrics
@@ -75,7 +77,23 @@ def _session_ids() -> Iterator[int]:
 
 
 def _config(request: GenerationRequest, seed: int) -> SamplingConfig:
-    return SamplingConfig(request.params, seed)
+    config = SamplingConfig(request.params, seed, request.penalties, request.grammar)
+    if config.reads_history:  # where its output starts, for a session reopened mid-request
+        config = replace(config, prompt_len=len(request.prompt_ids))
+    return replace(config, logprobs=request.logprobs)
+
+
+def _note_logprobs(request: GenerationRequest, frame: GenerateTokens) -> None:
+    """The log-probabilities a cloud frame carries, in token order."""
+    if frame.logprobs is None:
+        return
+    lp = frame.logprobs
+    k = len(lp.top_ids) // max(1, len(frame.tokens))
+    for i in range(len(frame.tokens)):
+        top = slice(i * k, (i + 1) * k)
+        request.token_logprobs.append(
+            (float(lp.token_logprobs[i]), lp.top_ids[top].tolist(), lp.top_logprobs[top].tolist())
+        )
 
 
 # What a request can meet from the cloud side (or a dead actor): each has its HTTP answer.
@@ -134,9 +152,12 @@ class SpeculativeEngine:
         scheduler: DraftScheduler,
         cloud: CloudReplicas,
         metrics: EdgeMetrics,
+        constraints: ConstraintBuilder | None = None,
     ) -> None:
         self.settings, self.mode, self.scheduler = settings, mode, scheduler
         self.cloud, self.metrics = cloud, metrics
+        # penalties and grammars; a grammar needs the tokenizer
+        self.constraints = constraints or ConstraintBuilder(None, scheduler.draft.lm.vocab_size)
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
         self.goodput_gamma = GoodputDraftLength(
@@ -147,12 +168,17 @@ class SpeculativeEngine:
         """Whether a request drafts its next block now, or lets the cloud decode for it:
         the batch limit (``speculative_disable_by_batch_size``), then the goodput rule's
         pause where it applies."""
+        return self.pause_reason() is None
+
+    def pause_reason(self) -> str | None:
+        """Why requests do not speculate now ("batch_size", "goodput"), or None."""
         settings, batch = self.settings, self.scheduler.active
         if not settings.speculates_at(batch):
-            return False
-        if settings.goodput_pause and settings.draft_length.maximises_goodput:
-            return not self.mode.pipelines or self.goodput_gamma.speculation_pays(batch)
-        return True
+            return "batch_size"
+        goodput = settings.goodput_pause and settings.draft_length.maximises_goodput
+        if goodput and self.mode.pipelines and not self.goodput_gamma.speculation_pays(batch):
+            return "goodput"
+        return None
 
     def open_message(
         self, session_id: int, prompt: list[int], config: SamplingConfig, first_rung: int
@@ -228,6 +254,7 @@ class _RequestState:
         # A feature draft's target features by position (None: a token draft)
         draft = engine.scheduler.draft
         self.features = FeatureLog(draft.hidden_size) if draft.needs_features else None
+        self.constraint = engine.constraints.build(config, request.prompt_ids)
 
     async def open_both(self) -> None:
         """Open the cloud's session and the draft's. A token draft opens alongside the
@@ -319,13 +346,25 @@ class _RequestState:
         speculates``), up to `GENERATE_CHUNK_TOKENS` the cloud decodes alone, as they
         come."""
         engine = self.engine
-        if self.next_draft is None and not engine.speculates():
+        paused = (
+            "request"
+            if self.request.num_draft_tokens == 0
+            # the target's log-probabilities live at the cloud: it samples every token
+            else "logprobs"
+            if self.request.logprobs is not None
+            else engine.pause_reason()
+        )
+        if self.next_draft is None and paused is not None:
             decoded = self._cloud_decoded(min(GENERATE_CHUNK_TOKENS, remaining))
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
+                    self.request.stats.record_paused(paused, 1)
                     yield [token]
             return
-        yield await self._one_block(max(1, min(self._next_gamma(), remaining - 1)))
+        gamma = self._next_gamma()
+        if gamma > remaining - 1 and self.request.num_draft_tokens:
+            self.request.stats.record_shortened("max_tokens")
+        yield await self._one_block(max(1, min(gamma, remaining - 1)))
 
     async def _cloud_decoded(self, max_tokens: int) -> AsyncGenerator[int, None]:
         """Speculation paused: the cloud samples the next ``max_tokens`` from p alone (its
@@ -339,8 +378,9 @@ class _RequestState:
             await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
             self.tail = []  # the cloud has it now
             async for frame in _generated(channel, queue):
+                _note_logprobs(self.request, frame)
                 for token in (int(t) for t in frame.tokens):
-                    self.confirmed.append(token)
+                    self._confirm([token])
                     metrics.cloud_decoded_tokens.inc()
                     yield token
         finally:
@@ -371,18 +411,31 @@ class _RequestState:
         rollback_to: int | None = None,
         prev_features: torch.Tensor | None = None,
     ) -> Draft:
-        return await self.engine.scheduler.propose(
-            DraftRequest(
-                session_id=self.key,
-                pending_tokens=pending,
-                num_draft_tokens=gamma,
-                params=self.request.params,
-                generator=self.generator,
-                quantize_half=self.engine.mode.uploads_full_rows,
-                rollback_to=rollback_to,
-                prev_features=prev_features,
-            )
+        request = DraftRequest(
+            session_id=self.key,
+            pending_tokens=pending,
+            num_draft_tokens=gamma,
+            params=self.request.params,
+            generator=self.generator,
+            quantize_half=self.engine.mode.uploads_full_rows,
+            rollback_to=rollback_to,
+            prev_features=prev_features,
         )
+        if self.constraint is not None:
+            return await propose_constrained(
+                self.engine.scheduler,
+                self.constraint,
+                request,
+                self.request.stop_token_ids,
+                self.engine.mode.uploads_full_rows,
+            )
+        return await self.engine.scheduler.propose(request)
+
+    def _confirm(self, tokens: list[int]) -> None:
+        """Tokens join the confirmed prefix (and advance the constraint, as the cloud's)."""
+        self.confirmed += tokens
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
 
     async def _block(self, gamma: int) -> list[int]:
         engine, metrics = self.engine, self.engine.metrics
@@ -400,6 +453,8 @@ class _RequestState:
             draft_s: float | None = time.perf_counter() - drafting_since_s
         else:
             draft_s = None  # drafted while the last block was out
+        if self.request.num_draft_tokens and len(draft.tokens) < gamma:
+            self.request.stats.record_shortened("draft_stopped")
         gamma = len(draft.tokens)
         self.seq += 1
         block = _Block(BlockId(self.session_id, self.seq, len(self.confirmed), self.digest), draft)
@@ -411,7 +466,10 @@ class _RequestState:
             msg = VerifyBlock(block.id, draft.tokens, draft.probs, tail)
         sent_s = time.perf_counter()
         verdict = asyncio.ensure_future(self.channel.verify(msg))
-        runahead = self._runahead(draft) if engine.mode.runs_ahead else None
+        # a runahead block of a constrained request would need the constraint advanced
+        # over unconfirmed drafts: it waits for the verdict instead
+        runs_ahead = engine.mode.runs_ahead and self.constraint is None
+        runahead = self._runahead(draft) if runs_ahead else None
         try:
             result = await verdict
         except BaseException:
@@ -424,7 +482,7 @@ class _RequestState:
         n = result.n_accepted
         accepted = [int(t) for t in draft.tokens[:n]]
         base_len = len(self.confirmed)
-        self.confirmed += [*accepted, new_token]
+        self._confirm([*accepted, new_token])
         if runahead is not None:
             await self._adopt_runahead(await runahead, n == gamma, new_token)
         if self.features is None:
@@ -532,20 +590,37 @@ def _drop_first(draft: Draft) -> Draft:
 class DraftOnlyEngine:
     """SPADE's Draft baseline: the edge decodes alone with the draft model (no cloud)."""
 
-    def __init__(self, scheduler: DraftScheduler) -> None:
+    def __init__(
+        self, scheduler: DraftScheduler, constraints: ConstraintBuilder | None = None
+    ) -> None:
         self.scheduler = scheduler
+        self.constraints = constraints or ConstraintBuilder(None, scheduler.draft.lm.vocab_size)
         self.session_ids = _session_ids()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        if request.logprobs is not None:
+            raise GenerationError(
+                "logprobs are the target's, and draft-only mode has no target",
+                400,
+                "invalid_request_error",
+            )
         key = str(next(self.session_ids))
-        generator = torch.Generator().manual_seed(_seed(request) % 2**63)
+        seed = _seed(request)
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        constraint = self.constraints.build(_config(request, seed), request.prompt_ids)
         await self.scheduler.open(key, request.prompt_ids)
         try:
             pending = [request.prompt_ids[-1]]
             for _ in range(request.max_new_tokens):
-                draft = await self.scheduler.propose(
-                    DraftRequest(key, pending, 1, request.params, generator)
-                )
+                step = DraftRequest(key, pending, 1, request.params, generator)
+                if constraint is None:
+                    draft = await self.scheduler.propose(step)
+                else:
+                    stop_ids = request.stop_token_ids
+                    draft = await propose_constrained(
+                        self.scheduler, constraint, step, stop_ids, False
+                    )
+                    constraint.commit([int(draft.tokens[0])])
                 token = int(draft.tokens[0])
                 yield [token]
                 if token in request.stop_token_ids:
@@ -613,4 +688,5 @@ class TargetOnlyEngine:
         remaining = request.max_new_tokens - len(produced)
         await channel.send(GenerateRequest(session_id, remaining, stop, _NO_TAIL))
         async for frame in _generated(channel, queue):
+            _note_logprobs(request, frame)
             yield [int(t) for t in frame.tokens]

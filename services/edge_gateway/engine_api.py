@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asymspec.sampling import SamplingParams
+from asymspec.sampling_params import NO_PENALTIES, Penalties
 
 
 @dataclass(slots=True)
@@ -32,6 +33,14 @@ class SpecStats:
     correction_round_trips: int = 0
     uplink_bytes: int = 0  # this request's frames, as asymspec_link_bytes_total counts them
     downlink_bytes: int = 0
+    # Tokens the cloud decoded alone for the request, by why it did not speculate then:
+    # "request" (num_draft_tokens 0), "logprobs" (asked for the target's log-probabilities),
+    # "batch_size" (speculative_disable_by_batch_size),
+    # "goodput" (the goodput rule's pause). Empty: the request speculated throughout.
+    paused_tokens: dict[str, int] = field(default_factory=dict)
+    # Why a block held fewer drafts than the request pinned, in blocks: "max_tokens" (the
+    # tokens left), "draft_stopped" (the draft ended it early: stop_confidence or a stop token)
+    shortened_blocks: dict[str, int] = field(default_factory=dict)
 
     def record_block(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.blocks += 1
@@ -48,6 +57,15 @@ class SpecStats:
             self.max_topk_k = max(self.max_topk_k, size)
         self.fidelity_spent += eps
 
+    def record_paused(self, reason: str, tokens: int) -> None:
+        self.paused_tokens[reason] = self.paused_tokens.get(reason, 0) + tokens
+
+    def record_shortened(self, reason: str) -> None:
+        self.shortened_blocks[reason] = self.shortened_blocks.get(reason, 0) + 1
+
+
+TokenLogprobs = tuple[float, list[int], list[float]]
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -57,7 +75,15 @@ class GenerationRequest:
     params: SamplingParams
     seed: int | None = None  # None: the engine picks one
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # EOS and friends
-    num_draft_tokens: int | None = None  # γ; None = the server's default
+    num_draft_tokens: int | None = None  # γ; None = the server's default; 0: no speculation
+    penalties: Penalties = NO_PENALTIES  # read the tokens before each row (both sides)
+    grammar: str = ""  # an asymspec.grammar text constraining the output; "" for none
+    # the target's log-probabilities of each token and of this many top alternatives
+    # (None: not asked); the cloud samples every token of such a request
+    logprobs: int | None = None
+    # what the engine received of them, one per generated token: (logprob, top ids, top
+    # logprobs); filled by the engine as tokens come
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list, compare=False)
     fidelity_budget: float | None = None  # ε_req; None = the server's default
     stats: SpecStats = field(default_factory=SpecStats, compare=False)  # filled by the engine
 

@@ -9,14 +9,17 @@ Request translation lives in ``api_requests``, error bodies in ``api_errors``, S
                                     metrics))
     install_error_handlers(app)
 
-Compatibility notes:
-- Any ``model`` string is accepted and answered by the one served model (clients often
-  hard-code a name); ``GET /v1/models/{model}`` is strict.
-- Only ``n = 1``, a single prompt, text-only chat content; ``logprobs``, ``echo``,
-  ``best_of`` > 1, penalties and ``logit_bias`` are refused with a 400 rather than
-  silently ignored, as they would change what is sampled. Other unknown fields are ignored.
-- Extensions: ``top_k`` (-1 or 0 disables), ``stop_token_ids`` (vLLM's),
-  ``fidelity_budget`` (ε in [0, 1]) and ``num_draft_tokens`` (γ in 1..16).
+Compatibility notes (docs/api.md has every field):
+- ``model`` must be the served model's id (or absent): another is a 404 ``model_not_found``.
+- Every request field is honoured or refused with a 400 naming it; unknown fields too.
+  Only ``n = 1``, a single prompt, text-only chat content.
+- Structured output (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``)
+  and tool calls (``tools``) become one grammar that masks both sides' rows.
+- ``logprobs``: the target's raw log-probabilities, reported by the cloud (which then
+  samples every token of the request); not with ``stream``.
+- Extensions: ``top_k`` (-1 or 0 disables), ``min_p``, ``repetition_penalty``,
+  ``stop_token_ids`` (vLLM's), ``fidelity_budget`` (ε in [0, 1]) and ``num_draft_tokens``
+  (γ in 0..16; 0 turns speculation off for the request).
 - ``usage.completion_tokens`` counts every token the engine committed to the answer, a
   stop token included, up to the token that completed a stop string.
 - Errors raised by the engine after a stream has started arrive as a final
@@ -30,22 +33,31 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from asymspec.grammar import GrammarCompiler, GrammarError
+from edge_gateway import tool_calls
 from edge_gateway.api_errors import InvalidRequest, error_body
 from edge_gateway.api_requests import (
     ApiSettings,
     chat_prompt_ids,
+    check_model,
     completion_prompt_ids,
+    logprobs,
     max_new_tokens,
+    output_grammar,
+    penalties,
     refuse_unsupported,
     sampling_params,
     stop_strings,
+    tool_choice,
+    tools_grammar,
 )
-from edge_gateway.engine_api import Engine, GenerationError, GenerationRequest
+from edge_gateway.engine_api import Engine, GenerationError, GenerationRequest, TokenLogprobs
 from edge_gateway.metrics import EdgeMetrics, RequestTimer
 from edge_gateway.schemas import (
     AssistantMessage,
@@ -54,7 +66,9 @@ from edge_gateway.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -63,6 +77,9 @@ from edge_gateway.schemas import (
     SamplingFields,
     SpecDecodingStats,
     Timings,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
     Usage,
 )
 from edge_gateway.sse import SSE_DONE, EventStream, close_shielded, sse_event
@@ -112,6 +129,8 @@ class _Job:
                 correction_round_trips=s.correction_round_trips,
                 uplink_bytes=s.uplink_bytes,
                 downlink_bytes=s.downlink_bytes,
+                paused_tokens=dict(s.paused_tokens),
+                shortened_blocks=dict(s.shortened_blocks),
             )
         )
 
@@ -160,16 +179,19 @@ class OpenAIApi:
         self.settings = settings
         self.metrics = metrics
         self._stop_ids: dict[int, frozenset[int]] = {}  # by id(tokenizer): computed once
+        # checks that a request's grammar compiles (a 400 rather than a failed stream)
+        self._grammars: dict[int, GrammarCompiler | None] = {}  # by id(tokenizer)
 
     # -- routes --------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> Response:
         arrival_s = time.perf_counter()
+        check_model(body, self.settings)
         refuse_unsupported(body)
         engine, tokenizer = self._ready()
         prompt_ids = completion_prompt_ids(body, tokenizer)
-        max_tokens = (body.max_tokens, "max_tokens")
-        job = self._job("cmpl", body, prompt_ids, max_tokens, tokenizer, arrival_s)
+        grammar = output_grammar(body, self._grammar_compiler(tokenizer))
+        job = self._job("cmpl", body, prompt_ids, grammar, tokenizer, arrival_s)
         deltas = self._text_deltas(engine, tokenizer, job)
         if body.stream:
             return EventStream(self._completion_events(job, deltas))
@@ -178,6 +200,7 @@ class OpenAIApi:
             text=text,
             finish_reason=job.finish_reason,
             token_ids=job.token_ids if body.return_token_ids else None,
+            logprobs=None if body.logprobs is None else completion_logprobs(job, tokenizer),
         )
         return JSONResponse(
             CompletionResponse(
@@ -193,20 +216,29 @@ class OpenAIApi:
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         arrival_s = time.perf_counter()
+        check_model(body, self.settings)
         refuse_unsupported(body)
         engine, tokenizer = self._ready()
         prompt_ids = chat_prompt_ids(body, tokenizer)
-        max_tokens = (
-            (body.max_completion_tokens, "max_completion_tokens")
-            if body.max_completion_tokens is not None
-            else (body.max_tokens, "max_tokens")
-        )
-        job = self._job("chatcmpl", body, prompt_ids, max_tokens, tokenizer, arrival_s)
+        compiler = self._grammar_compiler(tokenizer)
+        grammar = output_grammar(body, compiler, tools_grammar(body))
+        job = self._job("chatcmpl", body, prompt_ids, grammar, tokenizer, arrival_s)
+        calls_tools = tool_choice(body) != "none"
         deltas = self._text_deltas(engine, tokenizer, job)
         if body.stream:
-            return EventStream(self._chat_events(job, deltas))
+            return EventStream(self._chat_events(job, deltas, calls_tools))
         text = await self._collect(deltas)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=job.finish_reason)
+        call = tool_calls.parse_call(text) if calls_tools else None
+        if call is not None:
+            message = AssistantMessage(content=None, tool_calls=[call.as_tool_call()])
+            job.finish_reason = "tool_calls"
+        else:
+            message = AssistantMessage(content=text)
+        choice = ChatChoice(
+            message=message,
+            finish_reason=job.finish_reason,
+            logprobs=chat_logprobs(job, tokenizer) if body.logprobs else None,
+        )
         return JSONResponse(
             ChatCompletionResponse(
                 id=job.response_id,
@@ -246,6 +278,16 @@ class OpenAIApi:
             raise GenerationError("the model is still loading", 503, "service_unavailable_error")
         return engine, tokenizer
 
+    def _grammar_compiler(self, tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler | None:
+        key = id(tokenizer)
+        if key not in self._grammars:
+            try:
+                compiler: GrammarCompiler | None = GrammarCompiler(tokenizer, len(tokenizer))
+            except GrammarError:
+                compiler = None  # not a fast tokenizer: grammars are refused with a 400
+            self._grammars = {key: compiler}
+        return self._grammars[key]
+
     def _stop_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         key = id(tokenizer)
         if key not in self._stop_ids:
@@ -257,11 +299,16 @@ class OpenAIApi:
         prefix: str,
         body: SamplingFields,
         prompt_ids: list[int],
-        max_tokens: tuple[int | None, str],  # (the value, the field it came from)
+        grammar: str,
         tokenizer: PreTrainedTokenizerBase,
         arrival_s: float,
     ) -> _Job:
         response_id = f"{prefix}-{uuid.uuid4().hex}"
+        max_tokens = (
+            (body.max_completion_tokens, "max_completion_tokens")
+            if body.max_completion_tokens is not None
+            else (body.max_tokens, "max_tokens")
+        )
         request = GenerationRequest(
             request_id=response_id,
             prompt_ids=prompt_ids,
@@ -271,12 +318,15 @@ class OpenAIApi:
                 ("messages" if prefix == "chatcmpl" else "prompt", max_tokens[1]),
                 self.settings,
             ),
-            params=sampling_params(body),
+            params=sampling_params(body, len(tokenizer)),
             seed=body.seed,
             stop_token_ids=(frozenset() if body.ignore_eos else self._stop_token_ids(tokenizer))
             | frozenset(body.stop_token_ids or ()),
             num_draft_tokens=body.num_draft_tokens,
             fidelity_budget=body.fidelity_budget,
+            penalties=penalties(body),
+            grammar=grammar,
+            logprobs=logprobs(body),
         )
         return _Job(
             response_id=response_id,
@@ -353,8 +403,8 @@ class OpenAIApi:
     @staticmethod
     async def _events(
         job: _Job,
-        deltas: AsyncIterator[str],
-        chunk: Callable[[str | None, str | None], StreamChunk],
+        deltas: AsyncIterator[Any],
+        chunk: Callable[[Any, str | None], StreamChunk],
         usage_chunk: Callable[[Usage], StreamChunk],
     ) -> AsyncIterator[str]:
         """Text deltas as SSE events: ``chunk(text, None)`` per delta, ``chunk(None,
@@ -389,9 +439,15 @@ class OpenAIApi:
 
         return self._events(job, deltas, chunk, usage_chunk)
 
-    async def _chat_events(self, job: _Job, deltas: AsyncIterator[str]) -> AsyncIterator[str]:
-        def chunk(text: str | None, finish_reason: str | None) -> ChatCompletionChunk:
-            delta = {} if text is None else {"content": text}
+    async def _chat_events(
+        self, job: _Job, deltas: AsyncIterator[str], calls_tools: bool
+    ) -> AsyncIterator[str]:
+        def chunk(item: str | ToolCall | None, finish_reason: str | None) -> ChatCompletionChunk:
+            delta: dict[str, Any] = {}
+            if isinstance(item, str):
+                delta = {"content": item}
+            elif item is not None:  # OpenAI streams a call with its index in the answer
+                delta = {"tool_calls": [{"index": 0, **item.model_dump()}]}
             choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
             return ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=job.model, choices=[choice]
@@ -409,12 +465,80 @@ class OpenAIApi:
                 id=job.response_id, created=job.created, model=job.model, choices=[role]
             )
         )
-        events = self._events(job, deltas, chunk, usage_chunk)
+        items = _tool_call_items(job, deltas) if calls_tools else deltas
+        events = self._events(job, items, chunk, usage_chunk)
         try:
             async for event in events:
                 yield event
         finally:
             await close_shielded(events)
+
+
+def _token_text(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
+    return str(tokenizer.decode([token]))
+
+
+def _reported(job: _Job) -> list[tuple[int, TokenLogprobs]]:
+    """Each generated token with what the cloud reported of it (the target's raw
+    log-probabilities), in order; a stop token counted in the answer included."""
+    return list(zip(job.token_ids, job.request.token_logprobs, strict=False))
+
+
+def completion_logprobs(job: _Job, tokenizer: PreTrainedTokenizerBase) -> CompletionLogprobs:
+    tokens, offsets, offset = [], [], 0
+    for token, _ in _reported(job):
+        tokens.append(_token_text(tokenizer, token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp for _, (lp, _, _) in _reported(job)],
+        top_logprobs=[
+            {_token_text(tokenizer, t): v for t, v in zip(ids, values, strict=True)}
+            for _, (_, ids, values) in _reported(job)
+        ],
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(job: _Job, tokenizer: PreTrainedTokenizerBase) -> ChatLogprobs:
+    def top(token: int, logprob: float) -> TopLogprob:
+        text = _token_text(tokenizer, token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for token, (logprob, ids, values) in _reported(job):
+        alternatives = [top(t, v) for t, v in zip(ids, values, strict=True)]
+        content.append(TokenLogprob(**top(token, logprob).model_dump(), top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
+
+
+async def _tool_call_items(job: _Job, deltas: AsyncIterator[str]) -> AsyncIterator[str | ToolCall]:
+    """A tool-calling answer's stream: text streams as it comes, unless the answer begins
+    with "<" (the tool grammar's call, which text may not begin with): then it is held
+    until complete and goes out as one ``tool_calls`` delta."""
+    held: list[str] = []
+    holding = False
+    started = False  # whether the answer's first text has come (and so what it is)
+    try:
+        async for delta in deltas:
+            if not started and delta:
+                started = True
+                holding = delta.startswith("<")
+            if started and holding:
+                held.append(delta)
+            else:
+                yield delta
+        if held:
+            text = "".join(held)
+            call = tool_calls.parse_call(text)
+            if call is None:
+                yield text  # an unfinished call (the token budget ran out): its text
+            else:
+                job.finish_reason = "tool_calls"
+                yield call.as_tool_call()
+    finally:
+        await close_shielded(deltas)
 
 
 def build_router(

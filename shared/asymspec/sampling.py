@@ -2,6 +2,8 @@
 
 Notation, used only in this module:
     p      target distribution at one position, *after* the request's sampling transform
+           (logit bias, temperature, top-k, top-p, min-p; penalties and a grammar mask are
+           applied to the logits first, in ``asymspec.constraint``)
     q      draft distribution at the same position, after the same transform
     x_i    the i-th draft token of a block (i = 0 .. gamma-1 here, 1-based in the paper)
     a_i    acceptance probability min(1, p_i(x_i) / q_i(x_i))
@@ -31,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from asymspec.sampling_params import LogitBias
 from asymspec.sampling_params import SamplingParams as SamplingParams  # re-exported
 
 FloatRow = npt.NDArray[np.floating]
@@ -43,6 +46,8 @@ def transform(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     distributions. Greedy returns the one-hot row of the argmax (first index on ties).
     """
     logits = logits.float()
+    if params.logit_bias:
+        logits = add_logit_bias(logits, params.logit_bias)
     if params.is_greedy:
         one_hot = torch.zeros_like(logits)
         return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -59,7 +64,21 @@ def transform(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = mass_before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
-    return torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0.0:
+        # vLLM's min-p: drop what is below min_p x the row's top probability; the top token
+        # always survives (min_p <= 1), so the row keeps mass.
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def add_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """logits [..., V] plus OpenAI's logit_bias (ids past V are the caller's error)."""
+    ids = torch.tensor([token for token, _ in bias], device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], len(bias)))
 
 
 def as_float32(row: FloatRow | torch.Tensor) -> npt.NDArray[np.float32]:

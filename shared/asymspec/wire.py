@@ -9,7 +9,17 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     version  = PROTOCOL_VERSION (1 byte); a mismatch is ErrorCode.VERSION_MISMATCH
     type     = MessageType code (1 byte)
     BlockId  = array [session_id, seq, base_len, config_digest]
-    Sampling = array [temperature, top_k, top_p, seed]   (plain msgpack numbers: not p or q)
+    Sampling = array [temperature, top_k, top_p, seed, Extras | nil]  (not p or q)
+    Extras   = array [min_p, logit_bias ids (uint32), logit_bias values (float32),
+               repetition_penalty, presence_penalty, frequency_penalty, grammar (str,
+               "" for none), prompt_len, logprobs]: the rest of the request's transform,
+               sent once per session; prompt_len says where the output starts in a
+               session's tokens (a session reopened mid-request sends prompt + output);
+               logprobs is 0 for none, else 1 + how many top alternatives the cloud
+               reports beside each token it samples
+    Logprobs = array [token logprobs (float32, n), top ids (uint32, n × k), top logprobs
+               (float32, n × k)]: the target's raw log-softmax at each of n tokens
+               (nil when the request uses none of it, so a plain request pays one byte)
     payload  = array [CorrectionKind, field_1, ...]      (TopK, Proposals, FullRow)
     arrays   = bin of raw little-endian bytes: token ids uint32, probabilities float32
                (bit-exact: NaN payloads, -0.0, subnormals, inf), full-upload q rows float16
@@ -39,7 +49,7 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     10    CorrectionResponse BlockId, payload
     11    (retired: Commit; the recovered token rides in the next block's tail)
     12    GenerateRequest    session_id, max_tokens, stop_token_ids, committed_tail
-    13    GenerateTokens     session_id, tokens, done
+    13    GenerateTokens     session_id, tokens, done, Logprobs | nil (when the session asked)
     14    ErrorFrame         code, message, session_id | nil, BlockId | nil
 
 `decode` raises only `WireError`. Decoded arrays are zero-copy, read-only numpy views over
@@ -63,11 +73,12 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from asymspec.sampling_params import SamplingParams
+from asymspec.sampling_params import NO_PENALTIES, Penalties, SamplingParams
 
 # 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost;
-# 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding)
-PROTOCOL_VERSION = 5
+# 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding);
+# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar)
+PROTOCOL_VERSION = 6
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -146,10 +157,46 @@ def _malformed(message: str) -> WireError:
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """A request's sampling settings (validated where they are made) and its seed."""
+    """A request's sampling settings (validated where they are made) and its seed; the
+    penalties and the grammar (an ``asymspec.grammar`` text, "" for none) are the part of
+    the transform that reads the tokens before each row (``asymspec.constraint``)."""
 
     params: SamplingParams
     seed: int
+    penalties: Penalties = NO_PENALTIES
+    grammar: str = ""
+    # where the request's output starts (its prompt's length): penalties and the grammar
+    # read the output, and a session reopened mid-request is opened from prompt + output
+    prompt_len: int = 0
+    # the cloud reports the target's log-probabilities of each token it samples and of
+    # this many top alternatives (None: it reports none). Not part of the transform.
+    logprobs: int | None = None
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a row's transform depends on the tokens before it (penalties, grammar)."""
+        return self.penalties.active or bool(self.grammar)
+
+
+def _extras(sampling: SamplingConfig) -> list[Any] | None:
+    """The Extras array, or None when the config has none of them."""
+    p, pen = sampling.params, sampling.penalties
+    extras = p.min_p or p.logit_bias or pen.active or sampling.grammar
+    if not extras and sampling.logprobs is None:
+        return None
+    ids = np.asarray([token for token, _ in p.logit_bias], dtype=_WIRE_U32)
+    values = np.asarray([bias for _, bias in p.logit_bias], dtype=_WIRE_F32)
+    return [
+        float(p.min_p),
+        _u32s(ids),
+        _f32s(values),
+        float(pen.repetition),
+        float(pen.presence),
+        float(pen.frequency),
+        _str(sampling.grammar),
+        int(sampling.prompt_len),
+        0 if sampling.logprobs is None else 1 + int(sampling.logprobs),
+    ]
 
 
 def config_digest(sampling: SamplingConfig) -> int:
@@ -157,6 +204,10 @@ def config_digest(sampling: SamplingConfig) -> int:
     # + 0.0 folds -0.0 into 0.0: both mean the same config and must digest the same.
     p = sampling.params
     canonical = struct.pack("<dQdQ", p.temperature + 0.0, p.top_k, p.top_p + 0.0, sampling.seed)
+    extras = _extras(sampling)
+    if extras is not None:
+        folded = [x + 0.0 if isinstance(x, float) else x for x in extras]
+        canonical += _packb(folded)
     return zlib.crc32(canonical)
 
 
@@ -279,7 +330,8 @@ class OpenSession(_Wire):
 
     def _fields(self) -> list[Any]:
         p, seed = self.sampling.params, self.sampling.seed
-        sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed)]
+        extras = _extras(self.sampling)
+        sampling = [float(p.temperature), int(p.top_k), float(p.top_p), int(seed), extras]
         first = [int(self.first_kind), self.first_size]
         prompt = zlib.compress(_u32s(self.prompt_tokens), 6)
         return [self.session_id, prompt, sampling, first, bool(self.wants_features)]
@@ -428,14 +480,32 @@ class GenerateRequest(_Wire):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Logprobs:
+    """The target's raw log-softmax at n sampled tokens: each token's own and its k most
+    probable alternatives' (ordered), as exact float32."""
+
+    token_logprobs: Probs  # (n,)
+    top_ids: TokenIds  # (n, k) flattened row-major
+    top_logprobs: Probs  # (n, k) flattened row-major
+
+    def _fields(self) -> list[Any]:
+        return [_f32s(self.token_logprobs), _u32s(self.top_ids), _f32s(self.top_logprobs)]
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GenerateTokens(_Wire):
     TYPE: ClassVar[MessageType] = MessageType.GENERATE_TOKENS
     session_id: int
     tokens: TokenIds  # (n,)
     done: bool
+    logprobs: Logprobs | None = None  # only for a session whose config asked for them
 
     def _fields(self) -> list[Any]:
-        return [self.session_id, _u32s(self.tokens), bool(self.done)]
+        logprobs = None if self.logprobs is None else self.logprobs._fields()
+        return [self.session_id, _u32s(self.tokens), bool(self.done), logprobs]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -648,13 +718,27 @@ class _Fields:
         return self.block()
 
     def sampling(self) -> SamplingConfig:
-        f = self.nested(4, "SamplingConfig")
+        f = self.nested(5, "SamplingConfig")
         temperature, top_k, top_p, seed = f.real(), f.uint(), f.real(), f.uint(_U64_MAX)
+        if f.peek_none():
+            f.skip()
+            try:
+                return SamplingConfig(SamplingParams(temperature, top_k, top_p), seed)
+            except ValueError as exc:
+                raise _malformed(f"bad sampling config: {exc}") from None
+        x = f.nested(9, "Extras")
+        min_p, ids, values = x.real(), x.tokens(), x.probs()
+        _same_length(ids, values, "logit_bias")
+        repetition, presence, frequency, grammar = x.real(), x.real(), x.real(), x.text()
+        prompt_len, logprobs = x.uint(), x.uint(MAX_TOP_LOGPROBS + 1)
+        bias = tuple((int(t), float(v)) for t, v in zip(ids, values, strict=True))
         try:
-            params = SamplingParams(temperature, top_k, top_p)
+            params = SamplingParams(temperature, top_k, top_p, min_p, bias)
+            penalties = Penalties(repetition, presence, frequency)
         except ValueError as exc:
             raise _malformed(f"bad sampling config: {exc}") from None
-        return SamplingConfig(params, seed)
+        top = None if logprobs == 0 else logprobs - 1
+        return SamplingConfig(params, seed, penalties, grammar, prompt_len, top)
 
     def payload(self) -> Payload:
         value, where = self._next()
@@ -697,6 +781,20 @@ def _tail(f: _Fields) -> TokenIds:
     if len(tail) > 1:
         raise _malformed(f"committed_tail holds {len(tail)} tokens; at most 1 is allowed")
     return tail
+
+
+def _generate_tokens(f: _Fields) -> GenerateTokens:
+    session_id, tokens, done = f.uint(_U64_MAX), f.tokens(), f.boolean()
+    if f.peek_none():
+        f.skip()
+        return GenerateTokens(session_id, tokens, done)
+    x = f.nested(3, "Logprobs")
+    token_logprobs, top_ids, top_logprobs = x.probs(), x.tokens(), x.probs()
+    _same_length(tokens, token_logprobs, "Logprobs")
+    _same_length(top_ids, top_logprobs, "Logprobs top")
+    if len(tokens) and len(top_ids) % len(tokens):
+        raise _malformed(f"Logprobs: {len(top_ids)} top entries for {len(tokens)} tokens")
+    return GenerateTokens(session_id, tokens, done, Logprobs(token_logprobs, top_ids, top_logprobs))
 
 
 def _verify_block_full(f: _Fields) -> VerifyBlockFull:
@@ -787,7 +885,7 @@ _FIELD_COUNTS = MappingProxyType(
         MessageType.CORRECTION_REQUEST: 4,
         MessageType.CORRECTION_RESPONSE: 2,
         MessageType.GENERATE_REQUEST: 4,
-        MessageType.GENERATE_TOKENS: 3,
+        MessageType.GENERATE_TOKENS: 4,
         MessageType.ERROR: 4,
     }
 )
@@ -821,7 +919,7 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
         case MessageType.GENERATE_REQUEST:
             return GenerateRequest(f.uint(_U64_MAX), f.uint(), f.tokens(), f.tokens())
         case MessageType.GENERATE_TOKENS:
-            return GenerateTokens(f.uint(_U64_MAX), f.tokens(), f.boolean())
+            return _generate_tokens(f)
         case MessageType.ERROR:
             code: ErrorCode = _enum(ErrorCode, f.uint(), "ErrorFrame code")
             return ErrorFrame(code, f.text(), f.opt_uint(_U64_MAX), f.opt_block())

@@ -41,7 +41,7 @@ def post(edge: Service, body: dict, key: str | None = KEY, **kw: Any) -> httpx.R
 
 
 def test_api_key_required_and_checked(edge: Service) -> None:
-    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    body = {"model": "asymspec", "prompt": "hi", "max_tokens": 2}
     assert post(edge, body, key=None).status_code == 401
     wrong = post(edge, body, key="sk-wrong")
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
@@ -51,12 +51,12 @@ def test_api_key_required_and_checked(edge: Service) -> None:
 
 
 def test_oversized_body_is_413_with_an_openai_body(edge: Service) -> None:
-    response = post(edge, {"model": "m", "prompt": "x" * 10_000, "max_tokens": 2})
+    response = post(edge, {"model": "asymspec", "prompt": "x" * 10_000, "max_tokens": 2})
     assert response.status_code == 413 and "error" in response.json()
 
 
 def test_over_the_concurrency_limit_gets_429_with_retry_after(edge: Service) -> None:
-    body = {"model": "m", "prompt": "count:", "max_tokens": 300, "ignore_eos": True}
+    body = {"model": "asymspec", "prompt": "count:", "max_tokens": 300, "ignore_eos": True}
 
     async def run() -> list[httpx.Response]:
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -71,7 +71,7 @@ def test_over_the_concurrency_limit_gets_429_with_retry_after(edge: Service) -> 
     limited = next(r for r in responses if r.status_code == 429)
     assert limited.headers["retry-after"] == "1"
     assert limited.json()["error"]["type"] == "rate_limit_error"
-    assert post(edge, {"model": "m", "prompt": "again", "max_tokens": 2}).status_code == 200
+    assert post(edge, {"model": "asymspec", "prompt": "again", "max_tokens": 2}).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_a_half_sent_body_holds_no_slot_and_gets_408(strict_edge: Service) -> No
             b'Content-Length: 1000\r\n\r\n{"model": '
         )  # and the rest never comes
         # The only slot is free for a complete request meanwhile.
-        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        body = {"model": "asymspec", "prompt": "hi", "max_tokens": 2}
         ok = httpx.post(f"{strict_edge.url}/v1/completions", json=body, timeout=30)
         assert ok.status_code == 200
         answer = read_response(slow)

@@ -378,7 +378,7 @@ def test_cloud_killed_amid_correction_rounds(pair: tuple[Path, Path], logs: Path
         async def run() -> list[dict]:
             async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
                 bodies = [
-                    {"model": "m", "prompt": p, "max_tokens": 300, "temperature": 0.7,
+                    {"model": "asymspec", "prompt": p, "max_tokens": 300, "temperature": 0.7,
                      "seed": i, "ignore_eos": True}
                     for i, p in enumerate(PROMPTS)
                 ]  # fmt: skip

@@ -26,6 +26,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
+from asymspec.sampling_params import Penalties
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
 from edge_gateway.metrics import EdgeMetrics, metrics_router
@@ -376,18 +377,35 @@ def test_greedy_is_repeatable_whatever_the_seed(harness: Harness) -> None:
 
 def test_sampling_and_extension_fields_reach_the_engine(harness: Harness) -> None:
     harness.client.completions.create(
-        model="any-name-is-accepted",
+        model=MODEL,
         prompt="Hello",
         max_tokens=3,
         temperature=0.7,
         top_p=0.9,
         seed=7,
-        extra_body={"top_k": 5, "fidelity_budget": 0.25, "num_draft_tokens": 4, "junk": 1},
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": 2.5, "3": -1.0},  # type: ignore[dict-item]  # floats: OpenAI types ints
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.05,
+            "repetition_penalty": 1.3,
+            "fidelity_budget": 0.25,
+            "num_draft_tokens": 4,
+        },
     )
     sent = harness.engine.requests[-1]
     assert (sent.params.temperature, sent.params.top_p, sent.params.top_k) == (0.7, 0.9, 5)
+    assert (sent.params.min_p, sent.params.logit_bias) == (0.05, ((3, -1.0), (7, 2.5)))
+    assert sent.penalties == Penalties(repetition=1.3, presence=0.5, frequency=-0.25)
     assert (sent.seed, sent.fidelity_budget, sent.num_draft_tokens) == (7, 0.25, 4)
     assert sent.max_new_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="junk"):  # never silently dropped
+        harness.client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=3, extra_body={"junk": 1}
+        )
+    with pytest.raises(openai.NotFoundError, match=r"model_not_found|does not exist"):
+        harness.client.completions.create(model="gpt-4o-nonexistent", prompt="Hi", max_tokens=1)
     harness.client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=1, extra_body={"top_k": -1}
     )
@@ -468,7 +486,7 @@ BAD_REQUESTS = [
         CHAT_PATH, {"messages": CHAT, "fidelity_budget": -0.1}, "fidelity_budget", id="budget<0"
     ),
     pytest.param(
-        CMPL_PATH, {"prompt": "hi", "num_draft_tokens": 0}, "num_draft_tokens", id="gamma=0"
+        CMPL_PATH, {"prompt": "hi", "num_draft_tokens": -1}, "num_draft_tokens", id="gamma=-1"
     ),
     pytest.param(
         CMPL_PATH, {"prompt": "hi", "num_draft_tokens": 17}, "num_draft_tokens", id="gamma=17"
@@ -502,10 +520,34 @@ BAD_REQUESTS = [
         "stream_options",
         id="stream_options without stream",
     ),
-    pytest.param(CHAT_PATH, {"messages": CHAT, "logprobs": True}, "logprobs", id="logprobs"),
+    pytest.param(
+        CHAT_PATH, {"messages": CHAT, "logprobs": True, "stream": True}, "logprobs", id="logprobs"
+    ),
     pytest.param(CMPL_PATH, {"prompt": "hi", "echo": True}, "echo", id="echo"),
     pytest.param(
-        CMPL_PATH, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", id="penalty"
+        CMPL_PATH, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", id="penalty>2"
+    ),
+    pytest.param(
+        CMPL_PATH, {"prompt": "hi", "repetition_penalty": -1}, "repetition_penalty", id="rep<0"
+    ),
+    pytest.param(CMPL_PATH, {"prompt": "hi", "min_p": 5}, "min_p", id="min_p=5"),
+    pytest.param(CMPL_PATH, {"prompt": "hi", "suffix": "end"}, "suffix", id="suffix"),
+    pytest.param(CHAT_PATH, {"messages": CHAT, "echo": True}, "echo", id="chat echo"),
+    pytest.param(CMPL_PATH, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", id="bias id"),
+    pytest.param(
+        CMPL_PATH, {"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias", id="bias>100"
+    ),
+    pytest.param(
+        CMPL_PATH,
+        {"prompt": "hi", "guided_regex": "(", "max_tokens": 2},
+        "guided_regex",
+        id="regex",
+    ),
+    pytest.param(
+        CMPL_PATH,
+        {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]},
+        "guided_choice",
+        id="two constraints",
     ),
     pytest.param(CMPL_PATH, [1, 2], None, id="body is a list"),
 ]

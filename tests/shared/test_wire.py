@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+import struct
 import time
 import typing
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -15,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asymspec import wire
-from asymspec.sampling_params import SamplingParams
+from asymspec.sampling_params import Penalties, SamplingParams
 from asymspec.wire import (
     MAX_PROMPT_TOKENS,
     PROTOCOL_VERSION,
@@ -31,6 +33,7 @@ from asymspec.wire import (
     GenerateTokens,
     Hello,
     HelloAck,
+    Logprobs,
     Message,
     MessageType,
     OpenSession,
@@ -51,6 +54,14 @@ from asymspec.wire import (
 MESSAGE_TYPES = typing.get_args(Message)
 U32_MAX = 2**32 - 1
 SAMPLING = SamplingConfig(SamplingParams(temperature=0.7, top_k=50, top_p=0.95), seed=1234)
+CONSTRAINED = SamplingConfig(
+    SamplingParams(0.7, 0, 1.0, min_p=0.1, logit_bias=((3, 1.5), (17, -100.0))),
+    seed=99,
+    penalties=Penalties(repetition=1.2, presence=0.5, frequency=0.25),
+    grammar='start: "yes" | "no"',
+    prompt_len=2,
+    logprobs=3,
+)
 BLOCK = BlockId(session_id=3, seq=7, base_len=512, config_digest=config_digest(SAMPLING))
 
 
@@ -97,6 +108,7 @@ def sample_messages() -> list[Message]:
         SessionOpened(3, 1, FEATURES[:0]),  # a one-token prompt: no position fed
         SessionOpened(3, 4, None, TargetCost(0.034, 0.0017)),  # the verifier's fitted cost
         OpenSession(7, u32(1, 2), SAMPLING, wants_features=True),
+        OpenSession(8, u32(1, 2), CONSTRAINED),  # the whole transform: extras and a grammar
         CloseSession(3),
         VerifyBlock(BLOCK, u32(10, 11, 12, 13), f32(0.9, 0.5, 1e-30, 1.0), u32()),
         VerifyBlock(BLOCK, u32(0), f32(0.25), u32(U32_MAX)),
@@ -118,6 +130,12 @@ def sample_messages() -> list[Message]:
         GenerateRequest(3, 16, u32(0, 2), u32(9)),  # speculation paused after a recovery
         GenerateTokens(3, u32(5, 6, 7), False),
         GenerateTokens(3, u32(), True),
+        GenerateTokens(
+            3,
+            u32(5, 6),
+            False,
+            Logprobs(f32(-0.5, -1.0), u32(5, 1, 6, 2), f32(-0.5, -2.0, -1.0, -1.5)),
+        ),
         ErrorFrame(ErrorCode.STALE_BLOCK, "base_len 512 != committed 515", 3, BLOCK),
         ErrorFrame(ErrorCode.OVERLOADED, "queue full"),
     ]
@@ -180,6 +198,29 @@ def test_error_code_and_correction_kind_are_enums() -> None:
     req = decode(encode(CorrectionRequest(BLOCK, CorrectionKind.PROPOSALS, 4)))
     assert isinstance(err, ErrorFrame) and err.code is ErrorCode.DUPLICATE
     assert isinstance(req, CorrectionRequest) and req.kind is CorrectionKind.PROPOSALS
+
+
+def test_every_transform_parameter_is_in_the_digest() -> None:
+    """A block drafted under one transform can never be verified under another."""
+    base = config_digest(CONSTRAINED)
+    params = CONSTRAINED.params
+    changed = [
+        replace(CONSTRAINED, params=replace(params, min_p=0.2)),
+        replace(CONSTRAINED, params=replace(params, logit_bias=((3, 1.5), (17, -2.0)))),
+        replace(CONSTRAINED, params=replace(params, logit_bias=((3, 1.5),))),
+        replace(CONSTRAINED, penalties=Penalties(1.3, 0.5, 0.25)),
+        replace(CONSTRAINED, penalties=Penalties(1.2, 0.0, 0.25)),
+        replace(CONSTRAINED, penalties=Penalties(1.2, 0.5, 0.0)),
+        replace(CONSTRAINED, grammar='start: "no"'),
+        replace(CONSTRAINED, grammar=""),
+        replace(CONSTRAINED, prompt_len=3),
+    ]
+    digests = {config_digest(c) for c in changed}
+    assert base not in digests and len(digests) == len(changed)
+    # a plain config keeps the digest it had before the extras existed
+    assert config_digest(SamplingConfig(SamplingParams(0.7, 50, 0.95), 1234)) == zlib.crc32(
+        struct.pack("<dQdQ", 0.7, 50, 0.95, 1234)
+    )
 
 
 def test_config_digest_is_stable_uint32() -> None:
@@ -317,7 +358,7 @@ def _vb(*fields: Any) -> bytes:
 
 GOOD_BLOCK = [3, 7, 512, 99]
 NO_PROMPT = zlib.compress(b"")  # a valid (empty) compressed prompt
-GOOD_SAMPLING = [0.7, 0, 1.0, 1]
+GOOD_SAMPLING = [0.7, 0, 1.0, 1, None]
 TOK4 = u32(1, 2, 3, 4).tobytes()
 PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
 
@@ -390,7 +431,12 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
         ),
         (
             raw_frame(
-                MessageType.OPEN_SESSION, 1, NO_PROMPT, [float("nan"), 0, 1.0, 1], [1, 16], False
+                MessageType.OPEN_SESSION,
+                1,
+                NO_PROMPT,
+                [float("nan"), 0, 1.0, 1, None],
+                [1, 16],
+                False,
             ),
             "nan temp",
         ),
@@ -399,15 +445,21 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
             "top_p > 1",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, -1, NO_PROMPT, [0.7, 0, 1.0, 1], [1, 16], False),
+            raw_frame(
+                MessageType.OPEN_SESSION, -1, NO_PROMPT, [0.7, 0, 1.0, 1, None], [1, 16], False
+            ),
             "negative sid",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [3, 16], False),
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1, None], [3, 16], False
+            ),
             "full with size",
         ),
         (
-            raw_frame(MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1], [9, 16], False),
+            raw_frame(
+                MessageType.OPEN_SESSION, 1, NO_PROMPT, [0.7, 0, 1.0, 1, None], [9, 16], False
+            ),
             "bad kind",
         ),
         (raw_frame(MessageType.OPEN_SESSION, 1, TOK4, GOOD_SAMPLING, [1, 16], False), "raw prompt"),
@@ -434,7 +486,7 @@ PROB4 = f32(0.1, 0.2, 0.3, 0.4).tobytes()
             ),
             "prompt not a multiple of 4",
         ),
-        (raw_frame(MessageType.GENERATE_TOKENS, 1, b"", 1), "int for bool"),
+        (raw_frame(MessageType.GENERATE_TOKENS, 1, b"", 1, None), "int for bool"),
         (raw_frame(MessageType.ERROR, 99, "x", None, None), "unknown error code"),
     ],
 )
