@@ -8,8 +8,10 @@ type the cloud never sends, is a protocol error: the connection is closed (1002)
 every waiter on it fails with `ChannelDown` and its session is re-opened elsewhere, rather
 than one waiter hanging. The channel reconnects with exponential backoff; while it is down,
 waiters fail with `ChannelDown`, and new calls wait for the connection up to the configured
-deadline (the request layer decides what to re-open). A refused shared secret is kept as
-`refused`, which `/health` reports and which fails requests at once.
+deadline (the request layer decides what to re-open). A refusal (the cloud refused our
+credentials, TLS failed either way, or the URL would carry them in plaintext: see
+`edge_gateway.credentials`) is kept as `refused`, which `/health` reports and which fails
+requests at once.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from asymspec.wire import (
     decode,
     encode,
 )
+from edge_gateway.credentials import CloudCredentials, refusal
 from edge_gateway.metrics import EdgeMetrics
 
 log = logging.getLogger("asymspec.edge.channel")
@@ -61,7 +64,7 @@ class CloudError(RuntimeError):
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
-        self.code = code
+        self.code, self.message = code, message
 
 
 class SessionBytes:
@@ -94,14 +97,13 @@ class CloudChannel:
     def __init__(
         self,
         url: str,
-        secret: str,
+        credentials: CloudCredentials,
         metrics: EdgeMetrics,
-        edge_id: str = "edge",
         max_frame_bytes: int = 64 * 1024 * 1024,
         ledger: SessionBytes | None = None,
         reply_timeout_s: float = 30.0,
     ) -> None:
-        self.url, self.secret, self.metrics, self.edge_id = url, secret, metrics, edge_id
+        self.url, self.credentials, self.metrics = url, credentials, metrics
         self.max_frame_bytes, self.reply_timeout_s = max_frame_bytes, reply_timeout_s
         self.refused: str | None = None  # why the cloud refused our handshake, until it accepts
         self.ledger = ledger or SessionBytes()
@@ -116,6 +118,12 @@ class CloudChannel:
         return self._connected.is_set()
 
     def start(self) -> None:
+        reason = self.credentials.plaintext_refusal(self.url)
+        if reason is not None:
+            # Never connects: nothing would change by retrying
+            log.error("cloud channel to %s: %s", self.url, reason)
+            self.refused = reason
+            return
         self.actor.start(self._run())
 
     async def stop(self) -> None:
@@ -181,10 +189,15 @@ class CloudChannel:
 
     async def _run(self) -> None:
         backoff_s = 0.1
+        ssl_context = self.credentials.ssl_context(self.url)
         while True:
             try:
                 async with websockets.connect(
-                    self.url, max_size=self.max_frame_bytes, compression=None, ping_interval=20
+                    self.url,
+                    ssl=ssl_context,
+                    max_size=self.max_frame_bytes,
+                    compression=None,
+                    ping_interval=20,
                 ) as ws:
                     await self._handshake(ws)
                     backoff_s, self.refused = 0.1, None
@@ -197,10 +210,19 @@ class CloudChannel:
                 raise
             except CloudError as exc:
                 if exc.code == ErrorCode.UNAUTHORIZED:
-                    self.refused = "the cloud refused the shared secret"
+                    self.refused = f"the cloud refused this edge: {exc.message}"
                 log.error("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
-            except Exception as exc:
+            except websockets.ConnectionClosed as exc:
+                if exc.rcvd is not None and exc.rcvd.code == 1008:  # revoked while connected
+                    self.refused = f"the cloud refused this edge: {exc.rcvd.reason}"
                 log.warning("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
+            except Exception as exc:
+                tls_refusal = refusal(exc)
+                if tls_refusal is not None:
+                    self.refused = tls_refusal
+                    log.error("cloud channel: %s; retrying in %.1f s", tls_refusal, backoff_s)
+                else:
+                    log.warning("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
             finally:
                 if self.connected:
                     self.metrics.cloud_connected.dec()  # counts connected replicas
@@ -211,7 +233,7 @@ class CloudChannel:
             backoff_s = min(backoff_s * 2, 5.0)
 
     async def _handshake(self, ws: ClientConnection) -> None:
-        await ws.send(encode(Hello(self.edge_id, self.secret)))
+        await ws.send(encode(Hello(self.credentials.edge_id, self.credentials.token)))
         reply = decode(await ws.recv(decode=False), self.max_frame_bytes)
         if isinstance(reply, ErrorFrame):
             raise CloudError(reply.code, reply.message)

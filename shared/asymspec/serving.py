@@ -6,6 +6,11 @@ uvicorn closes idle keep-alive connections but waits forever for a request's hea
 client trickling header bytes (slowloris) holds a connection for good: the HTTP protocol
 here closes a connection whose request head is not complete `header_timeout_s` after the
 connection opened or after its previous response.
+
+TLS is uvicorn's own (the settings' `tls_options`). uvicorn does not tell the app who the
+TLS peer is, so the WebSocket protocol here adds the verified client certificate's subject
+to the scope, as the ASGI TLS extension names it (`extensions.tls.client_cert_name`): the
+cloud's channel takes an edge's identity from it.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ import h11
 import uvicorn
 from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
 
 
 class ServiceSettings(Protocol):
     host: str
     port: int
     header_timeout_s: float
+
+    def tls_options(self) -> dict[str, Any]:
+        """uvicorn's ssl_* keyword arguments; empty = plain HTTP."""
+        ...
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -69,6 +80,42 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
+# RFC 4514's short names for the attributes an edge certificate's subject carries
+_SHORT_NAMES = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "stateOrProvinceName": "ST",
+    "localityName": "L",
+}
+
+
+def subject_name(peer_cert: dict[str, Any] | None) -> str | None:
+    """A verified peer certificate's subject as RFC 4514 writes it (``CN=edge-a,O=acme``:
+    the most specific attribute first); None without a certificate."""
+    if not peer_cert or not peer_cert.get("subject"):
+        return None
+    rdns = [
+        "+".join(f"{_SHORT_NAMES.get(k, k)}={v}" for k, v in rdn) for rdn in peer_cert["subject"]
+    ]
+    return ",".join(reversed(rdns))
+
+
+class PeerCertWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol, with the TLS client certificate's subject in the scope."""
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # absent when the upgrade was refused
+        if scope is None:
+            return
+        ssl_object = self.transport.get_extra_info("ssl_object")
+        cert = ssl_object.getpeercert() if ssl_object is not None else None
+        # The app task is created but has not run yet: it sees this scope entry.
+        scope["extensions"]["tls"] = {"client_cert_name": subject_name(cert)}
+
+
 S = TypeVar("S", bound=ServiceSettings)
 
 
@@ -92,4 +139,6 @@ def serve(
         port=settings.port,
         workers=1,
         http=protocol,  # type: ignore[arg-type]
+        ws=PeerCertWebSocketProtocol,
+        **settings.tls_options(),
     )
