@@ -217,7 +217,7 @@ class CloudChannel:
                     self.refused = f"the cloud refused this edge: {exc.rcvd.reason}"
                 log.warning("cloud channel: %s; retrying in %.1f s", exc, backoff_s)
             except Exception as exc:
-                tls_refusal = refusal(exc)
+                tls_refusal = refusal(exc, ssl_context is not None, bool(self.credentials.certfile))
                 if tls_refusal is not None:
                     self.refused = tls_refusal
                     log.error("cloud channel: %s; retrying in %.1f s", tls_refusal, backoff_s)

@@ -7,7 +7,10 @@ plaintext: the Hello's token would cross the network readable, so the edge refus
 host is not loopback unless `allow_plaintext` says the network is private.
 
 TLS failures are turned into the reason `/health` reports (`refusal`): an untrusted cloud,
-a cloud that wants a client certificate, one that does not trust ours.
+a cloud that wants a client certificate, one that does not trust ours. A server on asyncio
+(uvicorn) that refuses a client certificate closes the connection without a TLS alert, so
+the edge sees only a connection closed before the upgrade's answer: it names the likely
+cause, which nothing else produces (a cloud that is up but not ready answers the upgrade).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+from websockets.exceptions import InvalidMessage
 
 if TYPE_CHECKING:
     from edge_gateway.settings import EdgeSettings
@@ -84,8 +89,8 @@ def _is_loopback(host: str) -> bool:
         return False  # a DNS name: where it resolves to is not ours to trust
 
 
-def refusal(exc: BaseException) -> str | None:
-    """The reason a TLS failure (anywhere in ``exc``'s causes) gives; None if it is not one."""
+def refusal(exc: BaseException, tls: bool, presented_cert: bool) -> str | None:
+    """The reason a failed connection gives, when TLS refused it; None if it was not TLS."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
@@ -94,4 +99,14 @@ def refusal(exc: BaseException) -> str | None:
             reason = str(getattr(seen, "reason", "") or "")
             return _ALERT_REASONS.get(reason, f"TLS with the cloud failed: {reason or seen}")
         seen = seen.__cause__ or seen.__context__
+    if tls and isinstance(exc, InvalidMessage) and isinstance(exc.__cause__, EOFError):
+        if presented_cert:
+            return (
+                "the cloud closed the TLS connection before answering: it does not trust "
+                "this edge's certificate (signed by a CA it does not accept?)"
+            )
+        return (
+            "the cloud closed the TLS connection before answering: it may require a client "
+            "certificate (set ASYMSPEC_EDGE_CLOUD_CERTFILE and _KEYFILE)"
+        )
     return None
