@@ -13,7 +13,8 @@ Steps, each timed; the first failure is named and ends the run (teardown always 
 5. up        `docker compose up --wait` (Prometheus from Debian's package, no Grafana)
 6. health    /health of the edge (published port) and of the cloud (https, inside its
              container); the edge admitted by its client certificate (mutual TLS on the
-             channel); each engine as it logged itself (native attention where the CPU has AVX512-BF16)
+             channel); each engine as it logged itself (native attention where the CPU
+             has AVX512-BF16)
 7. chat      the official `openai` client streams a chat through the edge
 8. link      both sidecars switched live (PUT /profile/...), each direction's rate measured
              across the shaped `wan` network from inside the containers, for two profiles
