@@ -78,6 +78,7 @@ async def _start(state: EdgeState) -> None:
             CloudCredentials.from_settings(s),
             state.metrics,
             reply_timeout_s=s.cloud_reply_timeout_s,
+            coalesce_frames=s.coalesce_frames,
         )
         state.cloud.start()
     # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.

@@ -25,6 +25,7 @@ from typing import Any
 
 import websockets
 from websockets.asyncio.client import ClientConnection
+from websockets.protocol import State
 
 from asymspec.actors import Supervised
 from asymspec.wire import (
@@ -93,6 +94,37 @@ class SessionBytes:
         )
 
 
+class CoalescingConnection(ClientConnection):
+    """A client connection whose frames written in one turn of the event loop leave in one
+    transport write: one TLS record (and, with room in the window, one TCP segment) instead
+    of one per frame. The blocks of a draft batch are sent by their requests' tasks, all
+    woken by the same forward, so they leave together; each TLS record costs 22 bytes (a
+    5-byte header, a 16-byte tag, the content type) against a ~50-byte block frame."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[bytes] = []
+        self._flush_handle: asyncio.Handle | None = None
+
+    def send_data(self) -> None:
+        if self.protocol.state is not State.OPEN:  # closing: in order, at once, as before
+            self._flush()
+            super().send_data()
+            return
+        self._pending.extend(self.protocol.data_to_send())
+        if self._flush_handle is None:
+            # Runs after every callback already ready: the tasks woken with this one
+            self._flush_handle = self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        data, self._pending = b"".join(self._pending), []
+        if data and not self.transport.is_closing():
+            self.transport.write(data)
+
+
 class CloudChannel:
     def __init__(
         self,
@@ -102,8 +134,10 @@ class CloudChannel:
         max_frame_bytes: int = 64 * 1024 * 1024,
         ledger: SessionBytes | None = None,
         reply_timeout_s: float = 30.0,
+        coalesce_frames: bool = True,
     ) -> None:
         self.url, self.credentials, self.metrics = url, credentials, metrics
+        self.coalesce_frames = coalesce_frames
         self.max_frame_bytes, self.reply_timeout_s = max_frame_bytes, reply_timeout_s
         self.refused: str | None = None  # why the cloud refused our handshake, until it accepts
         self.ledger = ledger or SessionBytes()
@@ -198,6 +232,7 @@ class CloudChannel:
                     max_size=self.max_frame_bytes,
                     compression=None,
                     ping_interval=20,
+                    create_connection=CoalescingConnection if self.coalesce_frames else None,
                 ) as ws:
                     await self._handshake(ws)
                     backoff_s, self.refused = 0.1, None

@@ -27,13 +27,19 @@ class CloudReplicas:
         credentials: CloudCredentials,
         metrics: EdgeMetrics,
         reply_timeout_s: float = 30.0,
+        coalesce_frames: bool = True,
     ) -> None:
         if not urls:
             raise ValueError("at least one cloud verifier URL is needed")
         self.ledger = SessionBytes()  # one account per session, whichever replica it is on
         self.channels = [
             CloudChannel(
-                url, credentials, metrics, ledger=self.ledger, reply_timeout_s=reply_timeout_s
+                url,
+                credentials,
+                metrics,
+                ledger=self.ledger,
+                reply_timeout_s=reply_timeout_s,
+                coalesce_frames=coalesce_frames,
             )
             for url in urls
         ]

@@ -92,6 +92,11 @@ class EdgeSettings(RuntimeSettings):
         description="Send credentials over ws:// to a host that is not loopback (a private, "
         "trusted network only; else the edge refuses to connect).",
     )
+    coalesce_frames: bool = Field(
+        True,
+        description="Channel frames written in one turn of the event loop leave in one write "
+        "(one TLS record, one TCP segment where they fit) instead of one each.",
+    )
     ssl_certfile: str = Field("", description="PEM certificate chain: serve the API on https.")
     ssl_keyfile: str = Field("", description="PEM private key of ssl_certfile.")
     api_keys: Annotated[frozenset[str], NoDecode] = Field(

@@ -69,7 +69,7 @@ def make_authority(common_name: str = "asymspec private CA") -> Authority:
                 decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .sign(key, hashes.SHA256())
     )
     return Authority(cert, key)

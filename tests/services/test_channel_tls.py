@@ -24,6 +24,7 @@ import websockets
 from transformers import AutoTokenizer
 
 from asymspec.certificates import ensure
+from cloud_verifier.identities import token_hash
 from edge_gateway.text import encode_prompt
 from tests.services.processes import (
     Service,
@@ -37,6 +38,7 @@ from tests.services.wiretap import WireTap, websocket_payloads
 
 PROMPT = "the secret plans of the quick brown fox"
 EDGE_SECRET = "an-edge-secret-that-must-not-leak"
+EDGE_TOKEN = "the-own-token-of-edge-t-0123456789"
 
 
 class Bed:
@@ -70,10 +72,17 @@ class Bed:
         )
         self.tap = stack.enter_context(WireTap(self.cloud_port))
         self.plain_port = free_port()
+        tokens = root / "tokens"
+        tokens.write_text(f"edge-t {token_hash(EDGE_TOKEN)}\n")
         self.plain_cloud = self.service(
             "cloud_verifier",
             self.plain_port,
-            cloud_env(self.target, self.plain_port, shared_secret=EDGE_SECRET),
+            cloud_env(
+                self.target,
+                self.plain_port,
+                shared_secret=EDGE_SECRET,
+                edge_tokens_file=str(tokens),
+            ),
         )
         self.plain_tap = stack.enter_context(WireTap(self.plain_port))
 
@@ -111,6 +120,12 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
             "plain": bed.edge(
                 f"ws://127.0.0.1:{bed.plain_tap.port}/v1/channel", shared_secret=EDGE_SECRET
             ),
+            "token": bed.edge(
+                f"ws://127.0.0.1:{bed.plain_port}/v1/channel",
+                shared_secret="",
+                cloud_token=EDGE_TOKEN,
+                edge_id="edge-t",
+            ),
             "no-cert": bed.edge(
                 f"wss://127.0.0.1:{bed.cloud_port}/v1/channel",
                 shared_secret=EDGE_SECRET,
@@ -128,7 +143,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         }
         for service in (bed.cloud, bed.plain_cloud):
             service.wait_healthy()
-        for name in ("a", "b", "plain"):
+        for name in ("a", "b", "plain", "token"):
             bed.edges[name].wait_healthy()
         yield bed
 
@@ -151,6 +166,12 @@ def test_requests_complete_over_wss_with_mutual_tls(bed: Bed) -> None:
     assert complete(bed.edges["a"]) == complete(bed.edges["plain"])  # same pair, greedy
     metrics = httpx.get(f"{bed.cloud.url}/metrics", verify=bed.cloud.verify).text
     assert 'asymspec_cloud_edge_sessions_opened_total{edge="CN=edge-a"' in metrics
+
+
+def test_an_edge_with_its_own_token_is_admitted_under_its_id(bed: Bed) -> None:
+    complete(bed.edges["token"])
+    metrics = httpx.get(f"{bed.plain_cloud.url}/metrics").text
+    assert 'asymspec_cloud_edge_sessions_opened_total{edge="edge-t"' in metrics
 
 
 def test_a_listener_reads_prompt_and_secret_in_plaintext_but_not_under_tls(bed: Bed) -> None:
