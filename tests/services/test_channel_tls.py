@@ -91,10 +91,10 @@ class Bed:
         self.stack.callback(service.stop)
         return service
 
-    def edge(self, url: str, **extra: str) -> Service:
+    def edge(self, url: str, edge_id: str = "edge", **extra: str) -> Service:
         port = free_port()
         env = edge_env(self.draft, port, 0, "asymspec", max_model_len="256", **extra)
-        env["ASYMSPEC_EDGE_CLOUD_URL"] = url
+        env |= {"ASYMSPEC_EDGE_CLOUD_URL": url, "ASYMSPEC_EDGE_ID": edge_id}
         return self.service("edge_gateway", port, env)
 
     def mtls_edge(self, name: str, certs: Path | None = None, **extra: str) -> Service:
