@@ -6,12 +6,14 @@ testbed (root): what TLS costs on the slow uplink, and what coalescing recovers.
 Each variant starts a fresh cloud (cloud netns, core 1) and edge (edge netns, core 0), runs
 the same completions through the edge, and reads the channel's TCP connection from the
 kernel (`ss -ti` in the edge's namespace): payload bytes the edge sent (WebSocket frames,
-plus TLS records under TLS) and data segments (each also costs ~52 bytes of IP and TCP
-headers on the link). The edge's own counter of channel frame bytes, read at the same
-moments, is what the wire protocol carries before WebSocket and TLS framing.
+plus TLS records under TLS) and segments (each adds 66 bytes of Ethernet, IP and TCP
+headers on the link; pure ACKs of the downlink included). The edge's own counter of
+channel frame bytes, read at the same moments, is what the wire protocol carries before
+WebSocket and TLS framing.
 
-Variants: plaintext (ws://, ASYMSPEC_EDGE_ALLOW_PLAINTEXT), tls (wss:// with mutual TLS,
-frames coalesced: the default), tls-uncoalesced (ASYMSPEC_EDGE_COALESCE_FRAMES=false).
+Variants: plaintext (ws://, ASYMSPEC_EDGE_ALLOW_PLAINTEXT) or tls (wss:// with mutual
+TLS), each with frames coalesced (the default) and -uncoalesced
+(ASYMSPEC_EDGE_COALESCE_FRAMES=false: one write per frame, as before coalescing).
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from asymspec.testbed import Testbed, open_testbed
 from tests.services.processes import cloud_env, edge_env
 
 CLOUD_PORT, EDGE_PORT = 8001, 8000
-VARIANTS = ("plaintext", "tls", "tls-uncoalesced")
+VARIANTS = ("plaintext-uncoalesced", "tls-uncoalesced", "plaintext", "tls")
 PROMPTS = (
     "def fibonacci(n):",
     "The history of the printing press",
     "for i in range(10):",
     "Once upon a time in a quiet village",
 )
-_SS_FIELDS = ("bytes_sent", "bytes_received", "data_segs_out", "data_segs_in")
+_SS_FIELDS = ("bytes_sent", "bytes_received", "segs_out", "data_segs_out", "data_segs_in")
+# Ethernet (14) + IPv4 (20) + TCP with timestamps (32): what each segment adds on the link
+SEGMENT_HEADER_BYTES = 66
 
 
 def variant_envs(
@@ -52,7 +56,9 @@ def variant_envs(
     edge = edge_env(
         Path(draft), EDGE_PORT, CLOUD_PORT, "asymspec", shared_secret=secret, max_model_len="512"
     )
-    if variant == "plaintext":
+    coalesce = "false" if variant.endswith("-uncoalesced") else "true"
+    edge["ASYMSPEC_EDGE_COALESCE_FRAMES"] = coalesce
+    if variant.startswith("plaintext"):
         edge["ASYMSPEC_EDGE_CLOUD_URL"] = f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel"
         edge["ASYMSPEC_EDGE_ALLOW_PLAINTEXT"] = "1"
         return cloud, edge
@@ -66,7 +72,6 @@ def variant_envs(
         "ASYMSPEC_EDGE_CLOUD_CA_CERTS": str(certs / "ca.pem"),
         "ASYMSPEC_EDGE_CLOUD_CERTFILE": str(certs / "edge.pem"),
         "ASYMSPEC_EDGE_CLOUD_KEYFILE": str(certs / "edge.key"),
-        "ASYMSPEC_EDGE_COALESCE_FRAMES": "false" if variant == "tls-uncoalesced" else "true",
     }
     return cloud, edge
 
@@ -91,14 +96,22 @@ def run_variant(bed: Testbed, variant: str, args: argparse.Namespace, work: Path
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
         }
-        driver = [sys.executable, "-m", "loadtest.channel_bytes", "drive", json.dumps(spec)]
-        done = subprocess.run(
-            bed.command("edge", driver), capture_output=True, text=True, timeout=1200
+        argv = [sys.executable, "-m", "loadtest.channel_bytes", "drive", json.dumps(spec)]
+        driver = subprocess.Popen(
+            bed.command("edge", argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        if done.returncode != 0:
+        while driver.poll() is None:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:  # a service died: the driver would wait for it in vain
+                driver.kill()
+                tails = [(work / f"{variant}-{side}.log").read_text()[-1500:] for side in logs]
+                raise RuntimeError(f"{variant}: a service exited ({dead[0].returncode}): {tails}")
+            time.sleep(1)
+        out, err = driver.communicate()
+        if driver.returncode != 0:
             tail = (work / f"{variant}-edge.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{variant}: driver failed:\n{done.stderr[-2000:]}\n{tail}")
-        result: dict[str, Any] = json.loads(done.stdout)
+            raise RuntimeError(f"{variant}: driver failed:\n{err[-2000:]}\n{tail}")
+        result: dict[str, Any] = json.loads(out)
         return {"variant": variant, **result}
     finally:
         for proc in procs:
@@ -182,6 +195,9 @@ def drive(spec: dict[str, Any]) -> dict[str, Any]:
         "elapsed_s": round(elapsed_s, 2),
         "uplink_tcp_bytes_per_token": round(tcp["bytes_sent"] / tokens, 1),
         "uplink_segments_per_token": round(tcp["data_segs_out"] / tokens, 3),
+        "uplink_link_bytes_per_token": round(
+            (tcp["bytes_sent"] + SEGMENT_HEADER_BYTES * tcp["segs_out"]) / tokens, 1
+        ),
         "uplink_frame_bytes_per_token": round(frames["uplink_bytes"] / tokens, 1),
         "uplink_frames_per_token": round(frames["uplink_frames"] / tokens, 3),
         "downlink_tcp_bytes_per_token": round(tcp["bytes_received"] / tokens, 1),
