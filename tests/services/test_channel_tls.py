@@ -91,16 +91,27 @@ class Bed:
         self.stack.callback(service.stop)
         return service
 
-    def edge(self, url: str, edge_id: str = "edge", **extra: str) -> Service:
+    def edge(self, url: str, edge_id: str = "edge", https: bool = False, **extra: str) -> Service:
+        """An edge dialing ``url``; with ``https``, its API serves https (the certificate
+        made for localhost and 127.0.0.1 by the same CA)."""
         port = free_port()
         env = edge_env(self.draft, port, 0, "asymspec", max_model_len="256", **extra)
         env |= {"ASYMSPEC_EDGE_CLOUD_URL": url, "ASYMSPEC_EDGE_ID": edge_id}
-        return self.service("edge_gateway", port, env)
+        if not https:
+            return self.service("edge_gateway", port, env)
+        env |= {
+            "ASYMSPEC_EDGE_SSL_CERTFILE": str(self.certs / "cloud.pem"),
+            "ASYMSPEC_EDGE_SSL_KEYFILE": str(self.certs / "cloud.key"),
+        }
+        return self.service("edge_gateway", port, env, ca_certs=self.certs / "ca.pem")
 
-    def mtls_edge(self, name: str, certs: Path | None = None, **extra: str) -> Service:
+    def mtls_edge(
+        self, name: str, certs: Path | None = None, https: bool = False, **extra: str
+    ) -> Service:
         certs = certs or self.certs
         return self.edge(
             f"wss://127.0.0.1:{self.tap.port}/v1/channel",
+            https=https,
             shared_secret=EDGE_SECRET,  # sent inside TLS: the capture must not show it
             edge_id=name,
             cloud_ca_certs=str(self.certs / "ca.pem"),
@@ -116,7 +127,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         bed = Bed(tmp_path_factory.mktemp("tls"), stack)
         bed.edges = {
             "a": bed.mtls_edge("edge-a"),
-            "b": bed.mtls_edge("edge-b"),
+            "b": bed.mtls_edge("edge-b", https=True),  # its API on https too
             "plain": bed.edge(
                 f"ws://127.0.0.1:{bed.plain_tap.port}/v1/channel", shared_secret=EDGE_SECRET
             ),
@@ -150,7 +161,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 def complete(edge: Service, prompt: str = PROMPT) -> str:
     body = {"model": "asymspec", "prompt": prompt, "max_tokens": 16, "temperature": 0}
-    response = httpx.post(f"{edge.url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{edge.url}/v1/completions", json=body, timeout=60, verify=edge.verify)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
 
@@ -166,6 +177,14 @@ def test_requests_complete_over_wss_with_mutual_tls(bed: Bed) -> None:
     assert complete(bed.edges["a"]) == complete(bed.edges["plain"])  # same pair, greedy
     metrics = httpx.get(f"{bed.cloud.url}/metrics", verify=bed.cloud.verify).text
     assert 'asymspec_cloud_edge_sessions_opened_total{edge="CN=edge-a"' in metrics
+
+
+def test_the_edge_api_serves_https(bed: Bed) -> None:
+    edge = bed.edges["b"]
+    assert edge.url.startswith("https://")
+    assert complete(edge)
+    with pytest.raises(httpx.HTTPError):  # plain http at the https port
+        httpx.get(f"http://127.0.0.1:{edge.port}/health", timeout=5)
 
 
 def test_an_edge_with_its_own_token_is_admitted_under_its_id(bed: Bed) -> None:
