@@ -68,6 +68,11 @@ class CloudSettings(RuntimeSettings):
         description="One secret every edge presents (the simplest mode, for one edge); also "
         "admits the control routes. Empty = edges need a certificate or their own token.",
     )
+    coalesce_frames: bool = Field(
+        True,
+        description="Channel frames written in one turn of the event loop (the verdicts of "
+        "one batch) leave in one write: one TLS record, one TCP segment where they fit.",
+    )
     ssl_certfile: str = Field("", description="PEM certificate chain: serve https/wss.")
     ssl_keyfile: str = Field("", description="PEM private key of ssl_certfile.")
     ssl_ca_certs: str = Field(

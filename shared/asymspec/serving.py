@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import h11
 import uvicorn
@@ -33,6 +33,7 @@ class ServiceSettings(Protocol):
     host: str
     port: int
     header_timeout_s: float
+    coalesce_frames: bool
 
     def tls_options(self) -> dict[str, Any]:
         """uvicorn's ssl_* keyword arguments; empty = plain HTTP."""
@@ -102,8 +103,50 @@ def subject_name(peer_cert: dict[str, Any] | None) -> str | None:
     return ",".join(reversed(rdns))
 
 
+class CoalescingTransport:
+    """A transport whose writes within one turn of the event loop leave as one write: the
+    verdicts of one verification batch, sent by as many tasks, become one TLS record (and
+    one TCP segment where they fit) instead of one each. Everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._flush_handle: asyncio.Handle | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._pending.append(bytes(data))
+        if self._flush_handle is None:
+            # after every callback already ready: the tasks woken with this one
+            self._flush_handle = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        data, self._pending = b"".join(self._pending), []
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()  # a close frame written just before must go first
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class PeerCertWebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's WebSocket protocol, with the TLS client certificate's subject in the scope."""
+    """uvicorn's WebSocket protocol, with the TLS client certificate's subject in the scope
+    and, with ``coalesce_frames``, the frames of one turn of the loop written together."""
+
+    def __init__(self, *args: Any, coalesce_frames: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.coalesce_frames = coalesce_frames
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.coalesce_frames:
+            self.transport = cast(asyncio.Transport, CoalescingTransport(self.transport))
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
@@ -139,6 +182,8 @@ def serve(
         port=settings.port,
         workers=1,
         http=protocol,  # type: ignore[arg-type]
-        ws=PeerCertWebSocketProtocol,
+        ws=functools.partial(  # type: ignore[arg-type]
+            PeerCertWebSocketProtocol, coalesce_frames=settings.coalesce_frames
+        ),
         **settings.tls_options(),
     )
