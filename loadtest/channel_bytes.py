@@ -13,7 +13,8 @@ WebSocket and TLS framing.
 
 Variants: plaintext (ws://, ASYMSPEC_EDGE_ALLOW_PLAINTEXT) or tls (wss:// with mutual
 TLS), each with frames coalesced (the default) and -uncoalesced
-(ASYMSPEC_EDGE_COALESCE_FRAMES=false: one write per frame, as before coalescing).
+(ASYMSPEC_EDGE_COALESCE_FRAMES and ASYMSPEC_CLOUD_COALESCE_FRAMES false: one write per
+frame, as before coalescing).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def variant_envs(
         Path(draft), EDGE_PORT, CLOUD_PORT, "asymspec", shared_secret=secret, max_model_len="512"
     )
     coalesce = "false" if variant.endswith("-uncoalesced") else "true"
-    edge["ASYMSPEC_EDGE_COALESCE_FRAMES"] = coalesce
+    edge["ASYMSPEC_EDGE_COALESCE_FRAMES"] = cloud["ASYMSPEC_CLOUD_COALESCE_FRAMES"] = coalesce
     if variant.startswith("plaintext"):
         edge["ASYMSPEC_EDGE_CLOUD_URL"] = f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel"
         edge["ASYMSPEC_EDGE_ALLOW_PLAINTEXT"] = "1"
