@@ -24,8 +24,8 @@ from asymspec.model_thread import ModelThread
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
-from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.credentials import CloudCredentials
+from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
 from edge_gateway.metrics import EdgeMetrics, metrics_router
 from edge_gateway.openai_api import build_router
