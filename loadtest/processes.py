@@ -7,6 +7,7 @@ import atexit
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -24,9 +25,20 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, module: str, port: int, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        module: str,
+        port: int,
+        env: dict[str, str],
+        log_path: Path,
+        ca_certs: Path | None = None,
+    ) -> None:
+        """``ca_certs``: the service serves https, with a certificate that CA signed."""
         self.module, self.port, self.log_path = module, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if ca_certs else 'http'}://127.0.0.1:{port}"
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=str(ca_certs)) if ca_certs else True
+        )
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -50,7 +62,8 @@ class Service:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.module} exited early:\n{self.logs()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -151,3 +164,21 @@ def wait_for_replicas(edge: Service, n: int, timeout_s: float = 30) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"the edge did not connect to {n} replicas")
+
+
+def wait_for_reason(service: Service, text: str, timeout_s: float = 60) -> str:
+    """Until the service's /health is 503 with a reason containing ``text``; the reason."""
+    deadline = time.monotonic() + timeout_s
+    reason = ""
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            raise RuntimeError(f"{service.module} exited early:\n{service.logs()}")
+        try:
+            health = httpx.get(f"{service.url}/health", timeout=2, verify=service.verify)
+            reason = str(health.json().get("reason", ""))
+            if health.status_code == 503 and text in reason:
+                return reason
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no /health reason with {text!r} (last: {reason!r}):\n{service.logs()}")

@@ -161,6 +161,7 @@ def _start_services(bed: Testbed, models: tuple[str, str], secret: str, logs: Pa
         "ASYMSPEC_EDGE_THREADS": "1",
         "ASYMSPEC_EDGE_SHARED_SECRET": secret,
         "ASYMSPEC_EDGE_CLOUD_URL": f"ws://{bed.layout.address('cloud')}:{CLOUD_PORT}/v1/channel",
+        "ASYMSPEC_EDGE_ALLOW_PLAINTEXT": "1",  # the testbed's link is namespaces on this host
         # The soak holds the speculative path (blocks, corrections over the link) under
         # load; the goodput pause would hand a crowd to the cloud's own decoding instead.
         "ASYMSPEC_EDGE_GOODPUT_PAUSE": "false",

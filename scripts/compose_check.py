@@ -12,8 +12,9 @@ Steps, each timed; the first failure is named and ends the run (teardown always 
              host's wheel folder ($PIP_FIND_LINKS) served to the build over the bridge;
              llama.cpp compiled in the images' shared wheel stage (cold: many minutes)
 5. up        `docker compose up --wait` (Prometheus from Debian's package, no Grafana)
-6. health    /health of the edge (published port) and of the cloud (inside its container);
-             each service's engine as it logged its choice: llama.cpp for both
+6. health    /health of the edge (published port) and of the cloud (https, inside its
+             container); the edge admitted by its client certificate (mutual TLS on the
+             channel); each service's engine as it logged its choice: llama.cpp for both
 7. chat      the official `openai` client streams a chat through the edge
 8. link      both sidecars switched live (PUT /profile/...), each direction's rate measured
              across the shaped `wan` network from inside the containers, for two profiles
@@ -281,10 +282,18 @@ def get(url: str, timeout_s: float = 10) -> bytes:
 
 
 def check_health() -> str:
+    """Both services healthy, the cloud over https, and the edge admitted by its client
+    certificate (the cloud logs the identity it took from it)."""
     edge = json.loads(get(f"{EDGE}/health"))
-    probe = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8001/health').read().decode())"
+    probe = (
+        "import ssl, urllib.request as u; print(u.urlopen('https://127.0.0.1:8001/health', "
+        "context=ssl.create_default_context(cafile='/certs/ca.pem')).read().decode())"
+    )
     cloud = sh(compose("exec", "-T", "cloud-verifier", "python", "-c", probe)).strip()
-    return f"edge {json.dumps(edge)[:200]}; cloud {cloud[:200]}"
+    logs = sh(compose("logs", "--no-color", "cloud-verifier"))
+    if "edge CN=edge-gateway connected" not in logs:
+        raise RuntimeError("the cloud did not log the edge's certificate identity (mutual TLS)")
+    return f"edge {json.dumps(edge)[:200]}; cloud (https) {cloud[:200]}; mTLS CN=edge-gateway"
 
 
 ENGINE_CHOICE = re.compile(r": the (\S+) engine \((.*)\)$")

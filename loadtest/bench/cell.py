@@ -82,6 +82,7 @@ def service_envs(
     extra: dict[str, str] = {
         "cloud_url": f"ws://{cloud_ip}:{CLOUD_PORT}/v1/channel",
         "shared_secret": secret,
+        "allow_plaintext": "1",  # the testbed's link is namespaces on this host
         "dtype": dtype,
         "goodput_pause": "true" if goodput_pause else "false",
     }

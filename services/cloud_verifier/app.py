@@ -2,14 +2,16 @@
 edge channel (WebSocket /v1/channel) and REST for health, models and metrics.
 
 The target loads in the background after start-up, so /health can say 503 with a reason
-until it is ready (as vLLM and TGI do) instead of the port staying closed.
+until it is ready (as vLLM and TGI do) instead of the port staying closed. SIGHUP re-reads
+the edge tokens and revocations, and cuts the channels of edges no longer admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +27,7 @@ from asymspec_engine.feature_draft import FeatureLM
 from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
+from cloud_verifier.identities import EdgeIdentities
 from cloud_verifier.metrics import CloudMetrics, metrics_router
 from cloud_verifier.settings import CloudSettings
 
@@ -36,6 +39,7 @@ class CloudState:
     settings: CloudSettings
     metrics: CloudMetrics
     registry: CollectorRegistry
+    identities: EdgeIdentities = field(default_factory=EdgeIdentities)  # admits no edge
     channel: ChannelServer | None = None
     batcher: Batcher | None = None
     error: str | None = None
@@ -76,7 +80,7 @@ async def _load(state: CloudState) -> None:
         model_thread=model_thread,
     )
     state.batcher.start()
-    state.channel = ChannelServer(s, state.batcher, state.metrics, constraints)
+    state.channel = ChannelServer(s, state.batcher, state.metrics, state.identities, constraints)
     channel = state.channel
     state.metrics.sessions.set_function(lambda: channel.session_count)
     log.info("target %s ready", s.target_model)
@@ -91,12 +95,31 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
             registry, model_name=settings.served_model_name or settings.target_model
         ),
         registry,
+        EdgeIdentities(
+            settings.shared_secret,
+            require_cert=bool(settings.ssl_ca_certs),
+            tokens_file=settings.edge_tokens_file,
+            revoked_file=settings.revoked_edges_file,
+        ),
     )
+    revoking: set[asyncio.Task[int]] = set()
+
+    def reload_identities() -> None:
+        state.identities.reload()
+        if state.channel is not None:
+            task = asyncio.create_task(state.channel.revoke())
+            revoking.add(task)
+            task.add_done_callback(revoking.discard)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(_load(state))
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # no SIGHUP off Unix
+            loop.add_signal_handler(signal.SIGHUP, reload_identities)
         yield
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGHUP)
         loading.cancel()
         if state.batcher is not None:
             await state.batcher.stop()
@@ -130,10 +153,10 @@ def create_app(settings: CloudSettings | None = None) -> FastAPI:
 
     @app.get("/v1/sessions")
     async def sessions(authorization: str = Header("")) -> JSONResponse:
-        """Control route: open sessions per connected edge (needs the shared secret)."""
-        if not hmac.compare_digest(
-            authorization.encode(), f"Bearer {settings.shared_secret}".encode()
-        ):
+        """Control route: open sessions per connected edge (the shared secret or an edge's
+        token as the bearer)."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme != "Bearer" or not state.identities.admits_bearer(token):
             state.metrics.channel_auth_failures.inc()
             return JSONResponse({"error": "unauthorized"}, status_code=401)
         edges = [] if state.channel is None else state.channel.describe()

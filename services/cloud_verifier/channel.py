@@ -1,18 +1,18 @@
 """The cloud end of the edge channel: one WebSocket per edge, many requests multiplexed.
 
-Each frame is one `asymspec.wire` message. The connection starts with Hello/HelloAck (the
-shared secret is checked there). Model work (prefill, verification, decoding, close) goes
-to the batcher; corrections are answered on the event loop from the retained target row,
-since they need no forward. Replies are written by whichever task finished, under one send
-lock, so frames never interleave. When the edge goes away, its sessions are closed and
-their KV caches freed.
+Each frame is one `asymspec.wire` message. The connection starts with Hello/HelloAck: the
+edge is identified there (`cloud_verifier.identities`: its client certificate, its token or
+the shared secret), and its identity labels its sessions' limit, metrics and logs. Model
+work (prefill, verification, decoding, close) goes to the batcher; corrections are
+answered on the event loop from the retained target row, since they need no forward.
+Replies are written by whichever task finished, under one send lock, so frames never
+interleave. When the edge goes away, its sessions are closed and their KV caches freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 from typing import Any
@@ -48,6 +48,7 @@ from asymspec.wire import (
 )
 from asymspec_engine.feature_draft import features_to_wire
 from cloud_verifier.batcher import Batcher
+from cloud_verifier.identities import Credentials, EdgeIdentities, Refused
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
@@ -62,6 +63,8 @@ class _Connection:
     def __init__(self, ws: WebSocket, server: ChannelServer) -> None:
         self.ws, self.server = ws, server
         self.id = next(_connection_ids)
+        self.credentials: Credentials | None = None
+        self.identity = "?"  # until the Hello is admitted
         self.sessions: dict[int, Session] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
@@ -70,8 +73,7 @@ class _Connection:
         frame = encode(msg)
         async with self._send_lock:
             await self.ws.send_bytes(frame)
-        self.server.metrics.link_bytes.labels(direction="downlink").inc(len(frame))
-        self.server.metrics.link_frames.labels(direction="downlink").inc()
+        self.server.count(self, "downlink", len(frame))
 
     def spawn(self, work: Any, session_id: int, block: BlockId | None = None) -> None:
         task = asyncio.create_task(self._reporting(work, session_id, block))
@@ -105,9 +107,11 @@ class ChannelServer:
         settings: CloudSettings,
         batcher: Batcher,
         metrics: CloudMetrics,
+        identities: EdgeIdentities,
         constraints: ConstraintBuilder | None = None,
     ) -> None:
         self.settings, self.batcher, self.metrics = settings, batcher, metrics
+        self.identities = identities
         # penalties and grammars (a grammar needs the target's tokenizer)
         self.constraints = constraints or ConstraintBuilder(None, batcher.vocab_size)
         self.server_id = f"cloud-{settings.port}"
@@ -117,14 +121,45 @@ class ChannelServer:
     def session_count(self) -> int:
         return sum(len(c.sessions) for c in self.connections)
 
-    def describe(self) -> list[dict[str, int]]:
-        return [{"connection": c.id, "sessions": len(c.sessions)} for c in self.connections]
+    def sessions_of(self, identity: str) -> int:
+        """Open sessions of one edge, over all its connections."""
+        return sum(len(c.sessions) for c in self.connections if c.identity == identity)
+
+    def describe(self) -> list[dict[str, int | str]]:
+        return [
+            {"connection": c.id, "edge": c.identity, "sessions": len(c.sessions)}
+            for c in self.connections
+        ]
+
+    def count(self, conn: _Connection, direction: str, n_bytes: int) -> None:
+        self.metrics.link_bytes.labels(direction=direction).inc(n_bytes)
+        self.metrics.link_frames.labels(direction=direction).inc()
+        self.metrics.edge_link_bytes.labels(edge=conn.identity, direction=direction).inc(n_bytes)
+
+    async def revoke(self) -> int:
+        """After the identities were reloaded: close every connection whose credentials no
+        longer admit it (1008, the reason in the close frame); returns how many."""
+        cut = 0
+        for conn in list(self.connections):
+            if conn.credentials is None:
+                continue
+            try:
+                self.identities.admit(conn.credentials)
+            except Refused as exc:
+                log.warning("closing the channel of edge %s: %s", conn.identity, exc)
+                await conn.send_error(ErrorCode.UNAUTHORIZED, str(exc), None, None)
+                with contextlib.suppress(Exception):
+                    await conn.ws.close(code=1008, reason=str(exc)[:120])
+                cut += 1
+        return cut
 
     async def serve(self, ws: WebSocket) -> None:
         await ws.accept()
         conn = _Connection(ws, self)
+        tls = ws.scope.get("extensions", {}).get("tls") or {}
+        cert_name: str | None = tls.get("client_cert_name")
         try:
-            if not await self._handshake(conn):
+            if not await self._handshake(conn, cert_name):
                 return
             self.connections.add(conn)
             self.metrics.connected_edges.inc()
@@ -137,6 +172,7 @@ class ChannelServer:
             finally:
                 self.metrics.connected_edges.dec()
                 self.connections.discard(conn)
+                log.info("edge %s disconnected (connection %d)", conn.identity, conn.id)
         except WebSocketDisconnect:
             pass
         finally:
@@ -157,7 +193,7 @@ class ChannelServer:
             return None
         return bytes(data)
 
-    async def _handshake(self, conn: _Connection) -> bool:
+    async def _handshake(self, conn: _Connection, cert_name: str | None) -> bool:
         """Hello within `handshake_timeout_s` of the upgrade, or the connection is closed."""
         try:
             frame = await asyncio.wait_for(
@@ -175,20 +211,26 @@ class ChannelServer:
             await conn.send(ErrorFrame(exc.code, exc.message, None, None))
             await conn.ws.close(code=1002)
             return False
-        secret = self.settings.shared_secret
-        if not isinstance(hello, Hello) or (
-            secret and not hmac.compare_digest(hello.auth_token.encode(), secret.encode())
-        ):
+        try:
+            if not isinstance(hello, Hello):
+                raise Refused(f"expected Hello, got {type(hello).__name__}")
+            credentials = Credentials(cert_name, hello.edge_id, hello.auth_token)
+            conn.identity = self.identities.admit(credentials)
+        except Refused as exc:
             self.metrics.channel_auth_failures.inc()
-            await conn.send(ErrorFrame(ErrorCode.UNAUTHORIZED, "bad or missing Hello", None, None))
+            log.warning("refused an edge from %s: %s", _peer(conn.ws), exc)
+            await conn.send(ErrorFrame(ErrorCode.UNAUTHORIZED, str(exc), None, None))
             await conn.ws.close(code=1008)
             return False
+        conn.credentials = credentials
+        log.info(
+            "edge %s connected from %s (connection %d)", conn.identity, _peer(conn.ws), conn.id
+        )
         await conn.send(HelloAck(self.server_id))
         return True
 
     async def _receive(self, conn: _Connection, frame: bytes) -> None:
-        self.metrics.link_bytes.labels(direction="uplink").inc(len(frame))
-        self.metrics.link_frames.labels(direction="uplink").inc()
+        self.count(conn, "uplink", len(frame))
         try:
             msg = decode(frame, self.settings.max_frame_bytes)
         except WireError as exc:
@@ -218,8 +260,10 @@ class ChannelServer:
     async def _open(self, conn: _Connection, msg: OpenSession) -> None:
         if msg.session_id in conn.sessions:
             raise WireError(ErrorCode.MALFORMED, f"session {msg.session_id} is already open")
-        if len(conn.sessions) >= self.settings.max_sessions_per_edge:
-            raise WireError(ErrorCode.OVERLOADED, "too many open sessions for this edge")
+        if self.sessions_of(conn.identity) >= self.settings.max_sessions_per_edge:
+            raise WireError(
+                ErrorCode.OVERLOADED, f"too many open sessions for edge {conn.identity}"
+            )
         if not 0 < len(msg.prompt_tokens) <= self.settings.max_context_tokens:
             raise WireError(ErrorCode.MALFORMED, "prompt must have 1..max_context_tokens tokens")
         session = Session(
@@ -250,6 +294,7 @@ class ChannelServer:
             conn.sessions.pop(msg.session_id, None)
             await asyncio.shield(self.batcher.close(session))
             raise
+        self.metrics.edge_sessions_opened.labels(edge=conn.identity).inc()
         await conn.send(
             SessionOpened(
                 msg.session_id,
@@ -312,6 +357,10 @@ def _logprobs(session: Session) -> Logprobs:
         ids.numpy().astype(np.uint32),
         values.numpy().astype(np.float32),
     )
+
+
+def _peer(ws: WebSocket) -> str:
+    return f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
 
 
 def _prompt_h(session: Session, hidden_size: int) -> Features | None:

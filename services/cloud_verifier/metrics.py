@@ -52,6 +52,8 @@ class CloudMetrics:
     | link_bytes | asymspec_link_bytes_total | bytes, direction (as the cloud sees it) |
     | link_frames | asymspec_link_frames_total | frames, direction |
     | channel_auth_failures | asymspec_channel_auth_failures_total | handshakes refused |
+    | edge_link_bytes | asymspec_cloud_edge_link_bytes_total | bytes, edge, direction |
+    | edge_sessions_opened | asymspec_cloud_edge_sessions_opened_total | sessions, edge |
     | sessions | asymspec_cloud_sessions | open sessions (requests) |
     | connected_edges | asymspec_cloud_connected_edges | open channels |
     | forward_base_seconds | asymspec_target_forward_base_seconds | s, fitted fixed cost |
@@ -69,6 +71,8 @@ class CloudMetrics:
     link_bytes: Family[Counter]
     link_frames: Family[Counter]
     channel_auth_failures: Counter
+    edge_link_bytes: Family[Counter]
+    edge_sessions_opened: Family[Counter]
     sessions: Gauge
     connected_edges: Gauge
     forward_base_seconds: Gauge
@@ -120,7 +124,17 @@ class CloudMetrics:
             ),
             channel_auth_failures=f.counter(
                 "asymspec_channel_auth_failures_total",
-                "Channel handshakes refused (missing Hello or a bad secret).",
+                "Channel handshakes refused (no Hello, an unknown or revoked edge).",
+            ),
+            edge_link_bytes=f.counter_family2(
+                "asymspec_cloud_edge_link_bytes_total",
+                "Channel bytes per edge identity (certificate subject or edge id).",
+                ("edge", "direction"),
+            ),
+            edge_sessions_opened=f.counter_family(
+                "asymspec_cloud_edge_sessions_opened_total",
+                "Sessions opened per edge identity.",
+                "edge",
             ),
             sessions=f.gauge("asymspec_cloud_sessions", "Open verification sessions."),
             connected_edges=f.gauge(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar
+import ssl
+from pathlib import Path
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from asymspec_engine.embedded import EMBEDDED_TARGET
@@ -62,8 +64,31 @@ class CloudSettings(RuntimeSettings):
         1.0, ge=0, description="How long the batcher waits for more blocks after the first one."
     )
     shared_secret: str = Field(
-        min_length=8,
-        description="Edge<->cloud secret checked on the channel and control routes (required).",
+        "",
+        description="One secret every edge presents (the simplest mode, for one edge); also "
+        "admits the control routes. Empty = edges need a certificate or their own token.",
+    )
+    coalesce_frames: bool = Field(
+        True,
+        description="Channel frames written in one turn of the event loop (the verdicts of "
+        "one batch) leave in one write: one TLS record, one TCP segment where they fit.",
+    )
+    ssl_certfile: str = Field("", description="PEM certificate chain: serve https/wss.")
+    ssl_keyfile: str = Field("", description="PEM private key of ssl_certfile.")
+    ssl_ca_certs: str = Field(
+        "",
+        description="PEM CA(s) that sign edge certificates: the channel then admits only an "
+        "edge presenting one (mutual TLS; its identity is the certificate's subject).",
+    )
+    edge_tokens_file: Path | None = Field(
+        None,
+        description="Per-edge tokens: lines of '<edge id> sha256:<hex of the token's "
+        "SHA-256>'; re-read on SIGHUP.",
+    )
+    revoked_edges_file: Path | None = Field(
+        None,
+        description="Edge identities refused (one a line: a certificate subject such as "
+        "CN=edge-a, or a token's edge id); re-read on SIGHUP, which cuts their channels.",
     )
     max_sessions_per_edge: int = Field(1024, ge=1, description="Open sessions one edge may hold.")
     max_frame_bytes: int = Field(8 * 1024 * 1024, description="Largest accepted channel frame.")
@@ -71,6 +96,35 @@ class CloudSettings(RuntimeSettings):
         10.0, gt=0, description="How long a new channel connection may take to send its Hello."
     )
     max_context_tokens: int = Field(8192, ge=16, description="Longest prompt + generation.")
+
+    @model_validator(mode="after")
+    def _edges_authenticate(self) -> CloudSettings:
+        if self.shared_secret and len(self.shared_secret) < 8:
+            raise ValueError("shared_secret must have at least 8 characters")
+        if not (self.shared_secret or self.ssl_ca_certs or self.edge_tokens_file):
+            raise ValueError(
+                "no way for an edge to authenticate: set shared_secret, ssl_ca_certs "
+                "(client certificates) or edge_tokens_file"
+            )
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ValueError("ssl_ca_certs (client certificates) needs ssl_certfile and keyfile")
+        return self
+
+    def tls_options(self) -> dict[str, Any]:
+        if not self.ssl_certfile:
+            return {}
+        options: dict[str, Any] = {
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_keyfile": self.ssl_keyfile,
+        }
+        if self.ssl_ca_certs:
+            # Optional at the TLS layer, so that probes and Prometheus reach /health and
+            # /metrics without one; a certificate that is presented must verify, and the
+            # channel refuses an edge without one, with a reason it can report.
+            options |= {"ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_OPTIONAL}
+        return options
 
     def prefill_budget(self) -> PrefillBudget:
         return PrefillBudget(

@@ -119,7 +119,8 @@ class Admission:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return False
-        return any(hmac.compare_digest(token.encode(), key.encode()) for key in self.api_keys)
+        # every key compared: the time taken does not say which one matched
+        return any([hmac.compare_digest(token.encode(), key.encode()) for key in self.api_keys])
 
 
 class BodyTooLarge(HTTPException):

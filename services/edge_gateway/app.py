@@ -25,6 +25,7 @@ from asymspec_engine.loading import restrict_draft_head
 from edge_gateway.admission import Admission
 from edge_gateway.api_errors import install_error_handlers
 from edge_gateway.api_requests import ApiSettings
+from edge_gateway.credentials import CloudCredentials
 from edge_gateway.decoding import DraftOnlyEngine, SpeculativeEngine, TargetOnlyEngine
 from edge_gateway.engine_api import Engine
 from edge_gateway.metrics import EdgeMetrics, metrics_router
@@ -74,7 +75,11 @@ async def _start(state: EdgeState) -> None:
     s, mode = state.settings, state.settings.operating_mode
     if mode.needs_cloud:
         state.cloud = CloudReplicas(
-            s.cloud_urls, s.shared_secret, state.metrics, reply_timeout_s=s.cloud_reply_timeout_s
+            s.cloud_urls,
+            CloudCredentials.from_settings(s),
+            state.metrics,
+            reply_timeout_s=s.cloud_reply_timeout_s,
+            coalesce_frames=s.coalesce_frames,
         )
         state.cloud.start()
     # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.

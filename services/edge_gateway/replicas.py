@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from asymspec.wire import CloseSession
 from edge_gateway.channel import ChannelDown, CloudChannel, SessionBytes
+from edge_gateway.credentials import CloudCredentials
 from edge_gateway.metrics import EdgeMetrics
 
 
@@ -23,17 +24,22 @@ class CloudReplicas:
     def __init__(
         self,
         urls: Sequence[str],
-        secret: str,
+        credentials: CloudCredentials,
         metrics: EdgeMetrics,
-        edge_id: str = "edge",
         reply_timeout_s: float = 30.0,
+        coalesce_frames: bool = True,
     ) -> None:
         if not urls:
             raise ValueError("at least one cloud verifier URL is needed")
         self.ledger = SessionBytes()  # one account per session, whichever replica it is on
         self.channels = [
             CloudChannel(
-                url, secret, metrics, edge_id, ledger=self.ledger, reply_timeout_s=reply_timeout_s
+                url,
+                credentials,
+                metrics,
+                ledger=self.ledger,
+                reply_timeout_s=reply_timeout_s,
+                coalesce_frames=coalesce_frames,
             )
             for url in urls
         ]
@@ -50,7 +56,7 @@ class CloudReplicas:
 
     @property
     def refused(self) -> str | None:
-        """Why no replica will take a session, when every one refused our secret."""
+        """Why no replica will take a session, when every one refused us for one reason."""
         reasons = {c.refused for c in self.channels}
         return reasons.pop() if len(reasons) == 1 else None
 

@@ -4,9 +4,9 @@ the mode is the shared ASYMSPEC_MODE)."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from asymspec.correction import Ladder
@@ -68,8 +68,37 @@ class EdgeSettings(RuntimeSettings):
         "(sessions go to the least-loaded connected one, and move when theirs is lost).",
     )
     shared_secret: str = Field(
-        min_length=8, description="Edge<->cloud secret sent in the channel handshake (required)."
+        "", description="The secret every edge of the cloud shares (the one-edge mode)."
     )
+    edge_id: str = Field(
+        "edge",
+        validation_alias=AliasChoices("ASYMSPEC_EDGE_ID", "edge_id"),
+        description="This edge's name in the handshake (the id its own token is listed under).",
+    )
+    cloud_token: str = Field(
+        "", description="This edge's own token (the cloud lists its hash under edge_id)."
+    )
+    cloud_ca_certs: str = Field(
+        "",
+        description="PEM CA(s) the cloud's certificate must chain to (wss://); "
+        "empty = the system's roots.",
+    )
+    cloud_certfile: str = Field(
+        "", description="PEM client certificate presented to the cloud (mutual TLS)."
+    )
+    cloud_keyfile: str = Field("", description="PEM private key of cloud_certfile.")
+    allow_plaintext: bool = Field(
+        False,
+        description="Send credentials over ws:// to a host that is not loopback (a private, "
+        "trusted network only; else the edge refuses to connect).",
+    )
+    coalesce_frames: bool = Field(
+        True,
+        description="Channel frames written in one turn of the event loop leave in one write "
+        "(one TLS record, one TCP segment where they fit) instead of one each.",
+    )
+    ssl_certfile: str = Field("", description="PEM certificate chain: serve the API on https.")
+    ssl_keyfile: str = Field("", description="PEM private key of ssl_certfile.")
     api_keys: Annotated[frozenset[str], NoDecode] = Field(
         frozenset(), description="Accepted API keys (comma-separated); empty = no auth."
     )
@@ -168,6 +197,27 @@ class EdgeSettings(RuntimeSettings):
     def _known_mode(cls, value: str) -> str:
         get_mode(value)
         return value
+
+    @model_validator(mode="after")
+    def _credentials(self) -> EdgeSettings:
+        for name in ("shared_secret", "cloud_token"):
+            if 0 < len(getattr(self, name)) < 8:
+                raise ValueError(f"{name} must have at least 8 characters")
+        needs_cloud = self.operating_mode.needs_cloud
+        if needs_cloud and not (self.shared_secret or self.cloud_token or self.cloud_certfile):
+            raise ValueError(
+                "no credential for the cloud: set shared_secret, cloud_token (with edge_id) "
+                "or cloud_certfile and cloud_keyfile (mutual TLS)"
+            )
+        for cert, key in (("cloud_certfile", "cloud_keyfile"), ("ssl_certfile", "ssl_keyfile")):
+            if bool(getattr(self, cert)) != bool(getattr(self, key)):
+                raise ValueError(f"{cert} and {key} go together")
+        return self
+
+    def tls_options(self) -> dict[str, Any]:
+        if not self.ssl_certfile:
+            return {}
+        return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile}
 
     @property
     def operating_mode(self) -> Mode:

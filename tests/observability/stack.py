@@ -83,8 +83,8 @@ def dry_run_sidecar(direction: str, port: int, log_dir: Path) -> Iterator[str]:
 
 
 def loopback_config(targets: dict[str, str], scrape_interval: str = "1s") -> dict[str, object]:
-    """The committed prometheus.yml with each job's target moved to loopback (same job
-    names, so dashboards that filter on a job read the same here as in compose)."""
+    """The committed prometheus.yml with each job's target moved to loopback, over http (same
+    job names, so dashboards that filter on a job read the same here as in compose)."""
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     config["global"] = {
         **config.get("global", {}),
@@ -93,6 +93,8 @@ def loopback_config(targets: dict[str, str], scrape_interval: str = "1s") -> dic
     }
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        job.pop("scheme", None)  # the services here serve plain http on loopback
+        job.pop("tls_config", None)
     return config
 
 

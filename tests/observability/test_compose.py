@@ -327,7 +327,28 @@ def test_the_shared_secret_is_demanded(services: dict[str, dict[str, Any]]) -> N
 
 def test_edge_dials_the_cloud_service(services: dict[str, dict[str, Any]]) -> None:
     url = env_of(services["edge-gateway"])["ASYMSPEC_EDGE_CLOUD_URL"]
-    assert url == f"ws://cloud-verifier:{APP_PORTS['cloud-verifier']}/v1/channel"
+    assert url == f"wss://cloud-verifier:{APP_PORTS['cloud-verifier']}/v1/channel"
+
+
+def test_the_channel_uses_mutual_tls_from_the_init_service(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    edge, cloud = env_of(services["edge-gateway"]), env_of(services["cloud-verifier"])
+    assert cloud["ASYMSPEC_CLOUD_SSL_CA_CERTS"] == edge["ASYMSPEC_EDGE_CLOUD_CA_CERTS"]
+    for path in (
+        cloud["ASYMSPEC_CLOUD_SSL_CERTFILE"],
+        cloud["ASYMSPEC_CLOUD_SSL_KEYFILE"],
+        edge["ASYMSPEC_EDGE_CLOUD_CERTFILE"],
+        edge["ASYMSPEC_EDGE_CLOUD_KEYFILE"],
+    ):
+        assert path.startswith("/certs/"), path
+    init = services["certificates"]
+    assert "asymspec.certificates /certs" in " ".join(init["command"])
+    assert "cloud-verifier" in " ".join(init["command"])  # the name the edge verifies
+    for name in ("cloud-verifier", "edge-gateway"):
+        assert "certs:/certs:ro" in services[name]["volumes"]
+    condition = services["cloud-verifier"]["depends_on"]["certificates"]["condition"]
+    assert condition == "service_completed_successfully"
 
 
 def test_published_ports(services: dict[str, dict[str, Any]]) -> None:

@@ -20,6 +20,7 @@ from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
 from edge_gateway.app import EdgeState
+from edge_gateway.credentials import CloudCredentials
 from edge_gateway.decoding import DraftOnlyEngine
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.replicas import CloudReplicas
@@ -86,7 +87,9 @@ def test_health_reports_a_dead_scheduler_and_a_dead_channel() -> None:
 
     async def run() -> tuple[str | None, str | None]:
         state = EdgeState(settings, metrics)
-        state.cloud = CloudReplicas(settings.cloud_urls, settings.shared_secret, metrics)
+        state.cloud = CloudReplicas(
+            settings.cloud_urls, CloudCredentials.from_settings(settings), metrics
+        )
         channel = state.cloud.channels[0]
         channel._run = broken_loop  # type: ignore[method-assign]
         state.cloud.start()

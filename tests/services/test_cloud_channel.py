@@ -38,6 +38,7 @@ from asymspec.wire import (
 )
 from asymspec_engine.feature_draft import features_from_wire
 from edge_gateway.channel import CloudChannel, CloudError
+from edge_gateway.credentials import CloudCredentials
 from edge_gateway.metrics import EdgeMetrics
 from loadtest.processes import Service, cloud_env, free_port, running
 from loadtest.tiny_models import save_tiny_pair
@@ -81,7 +82,7 @@ def with_channel(
     async def run() -> Any:
         channel = CloudChannel(
             f"ws://127.0.0.1:{cloud.port}/v1/channel",
-            secret,
+            CloudCredentials(secret),
             EdgeMetrics.create(CollectorRegistry()),
         )
         channel.start()
@@ -263,7 +264,7 @@ def test_two_edges_may_use_the_same_session_ids(cloud: Service, greedy_chain: li
     async def body(first: CloudChannel) -> list[VerifyResult]:
         second = CloudChannel(
             f"ws://127.0.0.1:{cloud.port}/v1/channel",
-            "s3cret-s3cret",
+            CloudCredentials("s3cret-s3cret"),
             EdgeMetrics.create(CollectorRegistry()),
         )
         second.start()

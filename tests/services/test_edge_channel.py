@@ -16,6 +16,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from asymspec.sampling_params import SamplingParams
 from asymspec.wire import Hello, HelloAck, OpenSession, SamplingConfig, encode
 from edge_gateway.channel import ChannelDown, CloudChannel
+from edge_gateway.credentials import CloudCredentials
 from edge_gateway.metrics import EdgeMetrics
 
 OPEN = OpenSession(1, np.arange(1, 6, dtype=np.uint32), SamplingConfig(SamplingParams(0.0), 7))
@@ -37,7 +38,7 @@ async def answer_with(reply: bytes) -> tuple[type[BaseException] | None, int | N
     async with serve(peer, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
         metrics = EdgeMetrics.create(CollectorRegistry())
-        channel = CloudChannel(f"ws://127.0.0.1:{port}", "secret-secret", metrics)
+        channel = CloudChannel(f"ws://127.0.0.1:{port}", CloudCredentials("secret-secret"), metrics)
         channel.start()
         try:
             await channel.wait_connected(10)
