@@ -134,7 +134,9 @@ class SuffixConfig:
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self}")
         if self.max_tokens < 1 or self.spec_factor <= 0.0 or not 0 <= self.min_token_prob <= 1:
-            raise ValueError(f"need max_tokens >= 1, spec_factor > 0, min_token_prob in [0, 1]: {self}")
+            raise ValueError(
+                f"need max_tokens >= 1, spec_factor > 0, min_token_prob in [0, 1]: {self}"
+            )
 
 
 def propose_from(
