@@ -101,9 +101,9 @@ def _summarise(index: int, text: str) -> Conversation:
     )
 
 
-def agent_conversations(split: Split, per_kind: int, kinds: tuple[Kind, ...] = KINDS) -> list[
-    Conversation
-]:
+def agent_conversations(
+    split: Split, per_kind: int, kinds: tuple[Kind, ...] = KINDS
+) -> list[Conversation]:
     """``per_kind`` conversations of each kind from ``split``, interleaved by kind."""
     problems = humaneval_problems(split)
     sources = [s for s in source_prompts(split) if len(s) >= 200]

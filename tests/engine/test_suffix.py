@@ -6,9 +6,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from asymspec_engine.suffix import (
     SuffixConfig,
     SuffixDrafter,
@@ -17,6 +14,8 @@ from asymspec_engine.suffix import (
     longest_match,
     propose_from,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _ids(tokens: list[int]) -> np.ndarray:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from asymspec_engine.suffix import SuffixConfig, SuffixDrafter
 
 from asymspec.correction import Correction, Ladder, resolve_locally
 from asymspec.fidelity import FidelityBudget
 from asymspec.sampling import SamplingParams, accept_block, sample
-from asymspec_engine.suffix import SuffixConfig, SuffixDrafter
 from tests.shared.test_sampling_statistical import LENGTH, P_MIN, TRIALS, ToyModel, chi_square_p
 
 pytestmark = pytest.mark.slow

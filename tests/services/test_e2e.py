@@ -218,9 +218,7 @@ def _rounds(edge: Service, first: list[int], n_rounds: int, max_tokens: int) -> 
 
 
 @pytest.mark.parametrize("mode", ["asymspec", "full-upload", "standard", "asymspec-paused"])
-def test_suffix_blocks_keep_greedy_output_over_rounds(
-    edges: dict[str, Service], mode: str
-) -> None:
+def test_suffix_blocks_keep_greedy_output_over_rounds(edges: dict[str, Service], mode: str) -> None:
     """Multi-round conversations where the history repeats: the suffix drafter proposes
     blocks without the draft model, and every round's output equals target-only's."""
     names = (
