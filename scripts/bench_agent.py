@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -101,8 +102,9 @@ COUNTERS = (
     "asymspec_spec_decode_num_suffix_drafts_total",
     "asymspec_spec_decode_num_suffix_accepted_tokens_total",
     "asymspec_cloud_decoded_tokens_total",
-    "asymspec_link_bytes_total",
+    "uplink_bytes",  # asymspec_link_bytes_total{direction="uplink"}
 )
+_UPLINK = re.compile(r'^asymspec_link_bytes_total\{[^}]*direction="uplink"[^}]*\} (\S+)$', re.M)
 
 
 async def chat_turn(
@@ -159,7 +161,11 @@ async def replay(
 
 
 def counters(url: str) -> dict[str, float]:
-    return {name: metric_sum(url, name) for name in COUNTERS}
+    """The edge's counters (``uplink_bytes``: the link bytes it sent)."""
+    out = {name: metric_sum(url, name) for name in COUNTERS[:-1]}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out["uplink_bytes"] = sum(float(v) for v in _UPLINK.findall(text))
+    return out
 
 
 def measure(
@@ -211,7 +217,7 @@ def measure(
             delta["asymspec_spec_decode_num_suffix_accepted_tokens_total"]
         ),
         "cloud_decoded_tokens": int(delta["asymspec_cloud_decoded_tokens_total"]),
-        "link_bytes_per_token": round(delta["asymspec_link_bytes_total"] / tokens, 2)
+        "uplink_bytes_per_token": round(delta[COUNTERS[-1]] / tokens, 2)
         if tokens
         else None,
         **ttft,

@@ -58,7 +58,7 @@ def run_block(
         q_rows = [_one_hot(t) for t in tokens]
     else:
         for _ in range(3):
-            q_row = draft.row((*context, *tokens)).astype(np.float32)
+            q_row: np.ndarray = draft.row((*context, *tokens)).astype(np.float32)
             copy = drafter.propose((*context, *tokens), max_tokens=1).tokens
             if copy:
                 kinds["mixed row"] += 1

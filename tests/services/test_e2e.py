@@ -207,7 +207,7 @@ def _rounds(edge: Service, first: list[int], n_rounds: int, max_tokens: int) -> 
     history and asking again), greedy. Returns each round's output token ids."""
     prompt, outputs = list(first), []
     for _ in range(n_rounds):
-        body = {
+        body: dict[str, Any] = {
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True,
         }  # fmt: skip
