@@ -217,9 +217,7 @@ def measure(
             delta["asymspec_spec_decode_num_suffix_accepted_tokens_total"]
         ),
         "cloud_decoded_tokens": int(delta["asymspec_cloud_decoded_tokens_total"]),
-        "uplink_bytes_per_token": round(delta[COUNTERS[-1]] / tokens, 2)
-        if tokens
-        else None,
+        "uplink_bytes_per_token": round(delta[COUNTERS[-1]] / tokens, 2) if tokens else None,
         **ttft,
     }
     return row, [[r["content"] for r in rounds] for rounds in results]
