@@ -27,7 +27,12 @@ from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
 from loadtest.bench.plots import write_plots
 from loadtest.bench.report import summarize_phase
 from loadtest.bench.tables import bars, check_rows, write_outputs
-from loadtest.bench.workload import measured_bodies, warmup_bodies
+from loadtest.bench.workload import (
+    measured_bodies,
+    measured_conversations,
+    warmup_bodies,
+    warmup_conversations,
+)
 
 HEALTH_TIMEOUT_S = 600.0  # two model loads on a contended CPU
 
@@ -50,11 +55,26 @@ def environment() -> dict[str, Any]:
 
 
 def driver_spec(config: BenchConfig) -> dict[str, Any]:
+    """What the driver sends: HumanEval requests, or (``agent``) ``requests`` conversations
+    of three rounds each, replayed round by round."""
+    warmup_concurrency = max(1, min(config.warmup, config.concurrency))
+    if config.workload == "agent":
+        measured = measured_conversations(config.requests, config.sampling, config.seed)
+        return {
+            "health_timeout_s": HEALTH_TIMEOUT_S,
+            "warmup_conversations": warmup_conversations(
+                config.warmup, config.sampling, config.seed
+            ),
+            "warmup_concurrency": warmup_concurrency,
+            "phases": [
+                {"name": "measured", "conversations": measured, "concurrency": config.concurrency}
+            ],
+        }
     measured = measured_bodies(config.requests, config.sampling, config.seed)
     return {
         "health_timeout_s": HEALTH_TIMEOUT_S,
         "warmup": warmup_bodies(config.warmup, config.sampling, config.seed),
-        "warmup_concurrency": max(1, min(config.warmup, config.concurrency)),
+        "warmup_concurrency": warmup_concurrency,
         "phases": [{"name": "measured", "bodies": measured, "concurrency": config.concurrency}],
     }
 
