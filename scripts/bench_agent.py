@@ -266,6 +266,13 @@ def main() -> int:
     parser.add_argument("--per-kind", type=int, default=2, help="held-out conversations a kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--chat", action="store_true", help="also single-turn chat")
+    parser.add_argument("--chat-prompts", type=int, default=8, help="chat prompts (of 8)")
+    parser.add_argument(
+        "--reply-timeout-s",
+        type=float,
+        default=None,
+        help="the edge's cloud_reply_timeout_s (a shared, loaded machine prefills slowly)",
+    )
     parser.add_argument("--dtype", default=None, help="both services' dtype (default: auto)")
     parser.add_argument("--port", type=int, default=18400, help="the edge's; the cloud's is +1")
     parser.add_argument("--out", type=Path, default=REPO / "loadtest/results/agent")
@@ -273,9 +280,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dtype:
         os.environ["ASYMSPEC_CLOUD_DTYPE"] = os.environ["ASYMSPEC_EDGE_DTYPE"] = args.dtype
+    if args.reply_timeout_s:
+        os.environ["ASYMSPEC_EDGE_CLOUD_REPLY_TIMEOUT_S"] = str(args.reply_timeout_s)
     workloads = {"agent": agent_conversations("heldout", args.per_kind)}
     if args.chat:
-        workloads["chat"] = chat_conversations()
+        workloads["chat"] = chat_conversations()[: args.chat_prompts]
     rows: list[dict[str, Any]] = []
     answers: dict[str, Any] = {}
     stacks = {
