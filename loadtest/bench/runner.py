@@ -90,6 +90,7 @@ class Run:
         self.rows: list[dict[str, Any]] = []
         self.rates: dict[str, list[dict[str, Any]]] = {}
         self.env = environment()
+        self.per_cell = config.requests
 
     def results(self) -> dict[str, Any]:
         return {
@@ -113,9 +114,12 @@ class Run:
         cfg = self.config
         cells = [(p, m) for p in cfg.profiles for m in cfg.modes]
         spec = driver_spec(cfg)
+        self.per_cell = sum(len(c) for c in spec["phases"][0].get("conversations", [])) or (
+            cfg.requests
+        )  # requests a cell sends (an agent conversation's rounds each count)
         with (
             open_testbed(cfg.profiles[0], TestbedLayout.new(prefix="asymspec-bench")) as bed,
-            tqdm(total=len(cells) * cfg.requests, unit="req", dynamic_ncols=True) as bar,
+            tqdm(total=len(cells) * self.per_cell, unit="req", dynamic_ncols=True) as bar,
         ):
             for profile in cfg.profiles:
                 self._shape(bed, profile, bar)
@@ -164,7 +168,7 @@ class Run:
             raw = run_cell(bed, plan, on_event)
         except CellFailed as exc:
             bar.write(f"{name}: FAILED: {str(exc)[:2000]}")
-            bar.update(self.config.requests - (bar.n - done))
+            bar.update(self.per_cell - (bar.n - done))
             return {"mode": mode, "profile": profile, "error": str(exc)[:4000]}
         (self.raw / f"{name}.json").write_text(json.dumps(raw))
         row = summarize_phase(mode, get_profile(profile), raw["phases"][0])
