@@ -193,6 +193,7 @@ def measure(
     after = counters(url)
     delta = {name: after[name] - before[name] for name in COUNTERS}
     tokens = sum(r["tokens"] for rounds in results for r in rounds)
+    ttft_sum_s = sum(r["ttft_s"] for rounds in results for r in rounds)
     blocks = delta["asymspec_spec_decode_num_drafts_total"]
     ttft = {
         f"ttft_round{k + 1}_p50_s": round(statistics.median(rs[k]["ttft_s"] for rs in results), 3)
@@ -206,6 +207,10 @@ def measure(
         "completion_tokens": tokens,
         "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 2),
+        # At C = 1 the rounds run one after another: the wall time less every round's wait
+        # for its first token is the decoding time (where speculation acts; prefill is not).
+        "ttft_sum_s": round(ttft_sum_s, 2),
+        "decode_tok_s": (round(tokens / (wall_s - ttft_sum_s), 2) if concurrency == 1 else None),
         "blocks": int(blocks),
         "accepted_per_block": (
             round(delta["asymspec_spec_decode_num_accepted_tokens_total"] / blocks, 3)
