@@ -157,7 +157,7 @@ class SuffixStore:
     """Recent outputs of an edge's requests, searchable as one buffer: documents laid end
     to end with a separator after each, least recently used first out once their bytes
     pass ``max_bytes`` (4 bytes a token, separators included). A document counts as used
-    when it is added and when a proposal taken from it is used (``touch``).
+    when it is added and when its proposal wins the drafter's choice (``touch``).
 
     One owner writes (the edge's event loop). ``buffer`` is replaced, never changed in
     place, so a reader that took it once searches a consistent snapshot."""
