@@ -5,7 +5,11 @@
 
 Three user classes, closed loop (each user sends its next request when the last one ends):
 streaming chat, streaming completions and non-streaming completions, with HumanEval's
-held-out prompts (``loadtest.prompts``; chat users get them phrased as a request).
+held-out prompts (``loadtest.prompts``; chat users get them phrased as a request). A fourth,
+``AgentUser``, replays held-out multi-round agent conversations (``loadtest.conversations``)
+round by round with the model's own answers in the history; it runs only with
+ASYMSPEC_LOAD_AGENT_WEIGHT > 0 (its weight beside the others' 2 : 1 : 1), or named alone
+on the command line (``locust -f loadtest/locustfile.py AgentUser``).
 
 Besides the HTTP rows, each finished request fires custom events (response_time in ms):
 
@@ -21,7 +25,8 @@ the response headers; use TTFT and OUTPUT_TOKENS for latency.
 
 Settings (environment): ASYMSPEC_LOAD_MODEL (asymspec), ASYMSPEC_LOAD_MAX_TOKENS (128),
 ASYMSPEC_LOAD_TEMPERATURE (1.0), ASYMSPEC_LOAD_FIDELITY_BUDGET (unset: the edge's default),
-ASYMSPEC_LOAD_API_KEY (sent as a bearer token when set), ASYMSPEC_LOAD_TIMEOUT_S (300).
+ASYMSPEC_LOAD_API_KEY (sent as a bearer token when set), ASYMSPEC_LOAD_TIMEOUT_S (300),
+ASYMSPEC_LOAD_AGENT_WEIGHT (0).
 
 Exit status 1 when an HTTP request failed (more than ASYMSPEC_SLO_MAX_FAIL_RATIO, default 0)
 or an SLO is breached: ASYMSPEC_SLO_TTFT_P90_S, ASYMSPEC_SLO_TPOT_P90_S and
@@ -44,6 +49,7 @@ from locust.env import Environment
 from locust.stats import StatsEntry
 from requests import RequestException
 
+from loadtest.conversations import agent_conversations
 from loadtest.prompts import code_as_chat, humaneval_prompts
 
 log = logging.getLogger("asymspec.loadtest")
@@ -115,6 +121,7 @@ class StreamTiming:
     ttft_s: float | None = None
     e2e_s: float = 0.0
     completion_tokens: int = 0
+    content: str = ""  # the generated text (an agent puts it into its history)
 
 
 def sse_events(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
@@ -132,19 +139,21 @@ def sse_events(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def has_content(event: dict[str, Any]) -> bool:
-    """True for a chunk that carries generated text (not the role-only first chat delta)."""
-    for choice in event.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+def content_of(event: dict[str, Any]) -> str:
+    """The generated text a chunk carries ('' for the role-only first chat delta)."""
+    return "".join(
+        choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        for choice in event.get("choices") or []
+    )
 
 
 def read_stream(lines: Iterator[bytes], started_s: float) -> StreamTiming:
     timing = StreamTiming()
     for event in sse_events(lines):
-        if timing.ttft_s is None and has_content(event):
+        text = content_of(event)
+        if timing.ttft_s is None and text:
             timing.ttft_s = time.perf_counter() - started_s
+        timing.content += text
         if event.get("usage"):
             timing.completion_tokens = int(event["usage"]["completion_tokens"])
     timing.e2e_s = time.perf_counter() - started_s
@@ -187,7 +196,8 @@ class EdgeUser(HttpUser):
         offset = next(USER_NUMBERS) * 7 % len(PROMPTS)
         self.prompts = itertools.cycle(PROMPTS[offset:] + PROMPTS[:offset])
 
-    def stream(self, path: str, name: str, body: dict[str, Any]) -> None:
+    def stream(self, path: str, name: str, body: dict[str, Any]) -> StreamTiming | None:
+        """One streamed request, recorded; its timing and text, None when it failed."""
         started_s = time.perf_counter()
         with self.client.post(
             path,
@@ -199,14 +209,15 @@ class EdgeUser(HttpUser):
         ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
-                return
+                return None
             try:
                 timing = read_stream(response.iter_lines(), started_s)
             except (StreamError, RequestException, ValueError, KeyError) as error:
                 response.failure(f"{type(error).__name__}: {error}")
-                return
+                return None
             response.success()
         record_stream(self.environment, name, timing)
+        return timing
 
 
 class StreamingChatUser(EdgeUser):
@@ -248,6 +259,36 @@ class CompletionUser(EdgeUser):
                 return
         e2e_ms = (time.perf_counter() - started_s) * 1000
         fire(self.environment, OUTPUT_TOKENS, name, e2e_ms, tokens)
+
+
+CONVERSATIONS = agent_conversations("heldout", per_kind=4)
+AGENT_WEIGHT = int(env_or("ASYMSPEC_LOAD_AGENT_WEIGHT", 0))
+
+
+class AgentUser(EdgeUser):
+    """An agent: one held-out conversation per task, replayed round by round, each round's
+    answer going into the next round's history (so what repeats is up to the server)."""
+
+    abstract = AGENT_WEIGHT == 0  # off unless asked for: the other classes' mix stays
+    weight = max(1, AGENT_WEIGHT)
+
+    def on_start(self) -> None:
+        super().on_start()
+        offset = next(USER_NUMBERS) % len(CONVERSATIONS)
+        self.conversations = itertools.cycle(CONVERSATIONS[offset:] + CONVERSATIONS[:offset])
+
+    @task
+    def converse(self) -> None:
+        conversation = next(self.conversations)
+        messages = conversation.first_messages()
+        for i, turn in enumerate(conversation.turns):
+            if i:
+                messages.append({"role": "user", "content": turn})
+            body = {**SETTINGS.body(stream=True), "messages": messages}
+            timing = self.stream("/v1/chat/completions", f"agent round {i + 1} (stream)", body)
+            if timing is None:
+                return  # the conversation cannot go on without its answer
+            messages.append({"role": "assistant", "content": timing.content})
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from loadtest.bench.config import (
     default_run_dir,
     parse_list,
 )
-from loadtest.bench.workload import Sampling
+from loadtest.bench.workload import WORKLOADS, Sampling
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--modes", default="all", help=f"comma-separated or 'all': {', '.join(MODES)}")
     add("--profiles", default=",".join(DEFAULT_PROFILES), help=f"of {', '.join(PROFILES)}")
+    add(
+        "--workload",
+        choices=WORKLOADS,
+        default="humaneval",
+        help="humaneval: single-turn requests; agent: multi-round agent conversations "
+        "(docs/agents.md), --requests of them, each of three rounds",
+    )
     add("--requests", type=int, default=16, help="measured requests per cell (N)")
     add("--concurrency", type=int, default=8, help="closed-loop clients (C)")
     add("--max-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
@@ -69,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rate_check_s=args.rate_check_s,
         cell_timeout_s=args.cell_timeout_s,
         goodput_pause=args.goodput_pause,
+        workload=args.workload,
     )
 
 

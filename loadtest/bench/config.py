@@ -16,7 +16,7 @@ from typing import Any, Literal
 from asymspec.links import PROFILES
 from asymspec.modes import MODES
 from asymspec_engine.embedded import EMBEDDED_DRAFT, EMBEDDED_TARGET, embedded_path
-from loadtest.bench.workload import Sampling
+from loadtest.bench.workload import WORKLOADS, Sampling
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "loadtest" / "results"
@@ -50,8 +50,13 @@ class BenchConfig:
     # The edge's goodput pause (speculation paused where the cloud decoding alone gives
     # more). Off: the table compares the modes' mechanisms, each speculating throughout.
     goodput_pause: bool = False
+    # What a cell sends: HumanEval requests, or (agent) multi-round agent conversations,
+    # `requests` of them, each of three rounds replayed with the model's own answers
+    workload: str = "humaneval"
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose from {WORKLOADS}")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")

@@ -27,7 +27,13 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench.loadgen import REQUEST_TIMEOUT_S, RequestRecord, run_phase
+from loadtest.bench.loadgen import (
+    REQUEST_TIMEOUT_S,
+    PhaseResult,
+    RequestRecord,
+    run_conversations,
+    run_phase,
+)
 from loadtest.bench.prometheus import scrape
 
 
@@ -65,9 +71,11 @@ async def drive(spec: dict[str, Any]) -> dict[str, Any]:
         await wait_healthy(plain, edge_url, spec["health_timeout_s"])
         emit("healthy", after_s=round(time.monotonic() - started, 2))
 
-        warm = await run_phase(
-            edge, spec["warmup"], spec.get("warmup_concurrency", 1), _progress("warmup")
-        )
+        # the warm-up: "warmup" bodies, or "warmup_conversations" replayed round by round
+        warmup = {"bodies": spec.get("warmup", [])}
+        if "warmup_conversations" in spec:
+            warmup = {"conversations": spec["warmup_conversations"]}
+        warm = await _run(edge, warmup, spec.get("warmup_concurrency", 1), "warmup")
         failed = [r.error for r in warm.records if not r.ok]
         if failed:
             raise RuntimeError(f"warm-up failed: {failed[0]}")
@@ -78,9 +86,7 @@ async def drive(spec: dict[str, Any]) -> dict[str, Any]:
             edge_before, cloud_before = await asyncio.gather(
                 scrape(plain, edge_url), scrape(plain, cloud_url)
             )
-            result = await run_phase(
-                edge, phase["bodies"], phase["concurrency"], _progress(phase["name"])
-            )
+            result = await _run(edge, phase, phase["concurrency"], phase["name"])
             await asyncio.sleep(settle_s)
             edge_after, cloud_after = await asyncio.gather(
                 scrape(plain, edge_url), scrape(plain, cloud_url)
@@ -94,6 +100,15 @@ async def drive(spec: dict[str, Any]) -> dict[str, Any]:
                 }
             )
         return {"warmup": warm.to_json(), "phases": phases}
+
+
+async def _run(
+    edge: httpx.AsyncClient, phase: dict[str, Any], concurrency: int, name: str
+) -> PhaseResult:
+    """A phase's ``bodies`` as independent requests, or its ``conversations`` round by round."""
+    if "conversations" in phase:
+        return await run_conversations(edge, phase["conversations"], concurrency, _progress(name))
+    return await run_phase(edge, phase["bodies"], concurrency, _progress(name))
 
 
 def _progress(phase: str) -> Any:

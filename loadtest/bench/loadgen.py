@@ -1,5 +1,9 @@
 """The load generator: closed-loop streaming completions, one record per request.
 
+A body with ``messages`` goes to the chat route, any other to completions. Conversations
+(``run_conversations``) are replayed round by round, each answer going into the next
+round's history, one record per round.
+
 ``concurrency`` workers take the phase's requests in order; each sends its next request
 when the last one ended, as vLLM's and Locust's closed-loop clients do. Per request the
 client times the first text chunk (TTFT) and the end of the stream (e2e) and reads the
@@ -66,14 +70,16 @@ class PhaseResult:
 async def stream_completion(
     client: httpx.AsyncClient, index: int, body: dict[str, Any], phase_start_s: float
 ) -> RequestRecord:
-    """Send one streaming completion and time it; failures become records, never raise."""
+    """Send one streaming completion (or chat) and time it; failures become records, never
+    raise."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     start = time.perf_counter()
     first_text_s: float | None = None
     parts: list[str] = []
     usage: dict[str, Any] = {}
     error: str | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
             else:
@@ -86,9 +92,10 @@ async def stream_completion(
                         break
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices", []):
-                        if choice.get("text"):
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if text:
                             first_text_s = first_text_s or time.perf_counter()
-                            parts.append(choice["text"])
+                            parts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
@@ -133,5 +140,51 @@ async def run_phase(
                 on_done(record)
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
+    done = [r for r in records if r is not None]
+    return PhaseResult(done, last_end - phase_start)
+
+
+async def run_conversations(
+    client: httpx.AsyncClient,
+    conversations: Sequence[Sequence[dict[str, Any]]],
+    concurrency: int,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> PhaseResult:
+    """Conversations through ``concurrency`` closed-loop workers, each replayed round by
+    round: a conversation is a list of chat bodies, the first with the opening messages,
+    each later one with only its new user turn; a round is sent with the history before it
+    and the answers given so far. A failed round ends its conversation. Records in
+    (conversation, round) order, one per round sent."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(conversations)):
+        queue.put_nowait(i)
+    offsets = [0]
+    for rounds in conversations:
+        offsets.append(offsets[-1] + len(rounds))
+    records: list[RequestRecord | None] = [None] * offsets[-1]
+    phase_start = time.perf_counter()
+    last_end = phase_start
+
+    async def worker() -> None:
+        nonlocal last_end
+        while not queue.empty():
+            i = queue.get_nowait()
+            history: list[dict[str, str]] = []
+            for k, body in enumerate(conversations[i]):
+                history = [*history, *body["messages"]]
+                record = await stream_completion(
+                    client, offsets[i] + k, {**body, "messages": history}, phase_start
+                )
+                records[offsets[i] + k] = record
+                last_end = max(last_end, time.perf_counter())
+                if on_done is not None:
+                    on_done(record)
+                if not record.ok:
+                    break
+                history.append({"role": "assistant", "content": record.text})
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(conversations)))))
     done = [r for r in records if r is not None]
     return PhaseResult(done, last_end - phase_start)

@@ -26,7 +26,12 @@ from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
 from loadtest.bench.plots import write_plots
 from loadtest.bench.report import summarize_phase
 from loadtest.bench.tables import bars, check_rows, write_outputs
-from loadtest.bench.workload import measured_bodies, warmup_bodies
+from loadtest.bench.workload import (
+    measured_bodies,
+    measured_conversations,
+    warmup_bodies,
+    warmup_conversations,
+)
 from loadtest.testbed import Testbed, TestbedLayout, open_testbed
 
 HEALTH_TIMEOUT_S = 600.0  # two model loads on a contended CPU
@@ -50,11 +55,30 @@ def environment() -> dict[str, Any]:
 
 
 def driver_spec(config: BenchConfig) -> dict[str, Any]:
+    """What the driver sends: HumanEval requests, or (``agent``) ``requests`` conversations
+    of three rounds each, replayed round by round."""
+    warmup_concurrency = max(1, min(config.warmup, config.concurrency))
+    if config.workload == "agent":
+        conversations = measured_conversations(config.requests, config.sampling, config.seed)
+        return {
+            "health_timeout_s": HEALTH_TIMEOUT_S,
+            "warmup_conversations": warmup_conversations(
+                config.warmup, config.sampling, config.seed
+            ),
+            "warmup_concurrency": warmup_concurrency,
+            "phases": [
+                {
+                    "name": "measured",
+                    "conversations": conversations,
+                    "concurrency": config.concurrency,
+                }
+            ],
+        }
     measured = measured_bodies(config.requests, config.sampling, config.seed)
     return {
         "health_timeout_s": HEALTH_TIMEOUT_S,
         "warmup": warmup_bodies(config.warmup, config.sampling, config.seed),
-        "warmup_concurrency": max(1, min(config.warmup, config.concurrency)),
+        "warmup_concurrency": warmup_concurrency,
         "phases": [{"name": "measured", "bodies": measured, "concurrency": config.concurrency}],
     }
 
@@ -70,6 +94,7 @@ class Run:
         self.rows: list[dict[str, Any]] = []
         self.rates: dict[str, list[dict[str, Any]]] = {}
         self.env = environment()
+        self.per_cell = config.requests
 
     def results(self) -> dict[str, Any]:
         return {
@@ -93,9 +118,12 @@ class Run:
         cfg = self.config
         cells = [(p, m) for p in cfg.profiles for m in cfg.modes]
         spec = driver_spec(cfg)
+        self.per_cell = sum(len(c) for c in spec["phases"][0].get("conversations", [])) or (
+            cfg.requests
+        )  # requests a cell sends (an agent conversation's rounds each count)
         with (
             open_testbed(cfg.profiles[0], TestbedLayout.new(prefix="asymspec-bench")) as bed,
-            tqdm(total=len(cells) * cfg.requests, unit="req", dynamic_ncols=True) as bar,
+            tqdm(total=len(cells) * self.per_cell, unit="req", dynamic_ncols=True) as bar,
         ):
             for profile in cfg.profiles:
                 self._shape(bed, profile, bar)
@@ -144,7 +172,7 @@ class Run:
             raw = run_cell(bed, plan, on_event)
         except CellFailed as exc:
             bar.write(f"{name}: FAILED: {str(exc)[:2000]}")
-            bar.update(self.config.requests - (bar.n - done))
+            bar.update(self.per_cell - (bar.n - done))
             return {"mode": mode, "profile": profile, "error": str(exc)[:4000]}
         (self.raw / f"{name}.json").write_text(json.dumps(raw))
         row = summarize_phase(mode, get_profile(profile), raw["phases"][0])

@@ -295,7 +295,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     budget = sampling["fidelity_budget"]
     head = (
         f"# Benchmark {Path(config['out']).name}\n\n"
-        f"{config['models']} models; {config['requests']} requests at concurrency "
+        f"{config['models']} models; {config.get('workload', 'humaneval')} workload, "
+        f"{config['requests']} requests (agent: conversations) at concurrency "
         f"{config['concurrency']} per cell (after {config['warmup']} warm-up), max_tokens "
         f"{sampling['max_tokens']}, temperature {sampling['temperature']}, fidelity budget "
         f"{budget if budget is not None else 'edge default'}"

@@ -1,4 +1,6 @@
-"""What a benchmark phase sends: HumanEval prompts, fixed seeds, OpenAI completion bodies.
+"""What a benchmark phase sends: HumanEval prompts, fixed seeds, OpenAI completion bodies;
+or, for the ``agent`` workload, multi-round conversations (``loadtest.conversations``) as
+chat bodies, replayed round by round (``loadgen.run_conversations``).
 
 Measured requests use the held-out split (never seen by draft training), warm-up requests
 the train split, so every mode sees the same measured prompts with the same seeds and the
@@ -11,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.prompts import humaneval_prompts
+from loadtest.conversations import KINDS, Conversation, agent_conversations
+from loadtest.prompts import Split, humaneval_prompts
 
 SERVED_MODEL = "asymspec"  # the edge's default served_model_name
 
@@ -62,6 +65,45 @@ def measured_bodies(n: int, sampling: Sampling, base_seed: int) -> list[dict[str
 def warmup_bodies(n: int, sampling: Sampling, base_seed: int) -> list[dict[str, Any]]:
     # Seeds far from the measured ones, so no warm-up request repeats a measured draw.
     return phase_bodies(humaneval_prompts("train"), n, sampling, base_seed + 1_000_000)
+
+
+WORKLOADS = ("humaneval", "agent")
+
+
+def chat_body(messages: list[dict[str, str]], seed: int, sampling: Sampling) -> dict[str, Any]:
+    """A completion body turned into a chat body with these ``messages``."""
+    body = completion_body("", seed, sampling)
+    del body["prompt"]
+    return {**body, "messages": messages}
+
+
+def conversation_bodies(
+    conversation: Conversation, seed: int, sampling: Sampling
+) -> list[dict[str, Any]]:
+    """One chat body per round: the opening messages, then each new user turn alone."""
+    rounds = [conversation.first_messages()]
+    rounds += [[{"role": "user", "content": turn}] for turn in conversation.turns[1:]]
+    return [chat_body(messages, seed + k, sampling) for k, messages in enumerate(rounds)]
+
+
+def conversations_of(
+    split: Split, n: int, sampling: Sampling, base_seed: int
+) -> list[list[dict[str, Any]]]:
+    """``n`` conversations of ``split``, the kinds interleaved; conversation i's round k
+    gets seed base_seed + 100 i + k."""
+    per_kind = -(-n // len(KINDS))
+    chosen = agent_conversations(split, per_kind)[:n]
+    return [conversation_bodies(c, base_seed + 100 * i, sampling) for i, c in enumerate(chosen)]
+
+
+def measured_conversations(
+    n: int, sampling: Sampling, base_seed: int
+) -> list[list[dict[str, Any]]]:
+    return conversations_of("heldout", n, sampling, base_seed)
+
+
+def warmup_conversations(n: int, sampling: Sampling, base_seed: int) -> list[list[dict[str, Any]]]:
+    return conversations_of("train", n, sampling, base_seed + 1_000_000)
 
 
 def with_fields(bodies: Sequence[Mapping[str, Any]], **fields: Any) -> list[dict[str, Any]]:

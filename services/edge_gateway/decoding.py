@@ -44,6 +44,7 @@ from asymspec.wire import (
 from asymspec_engine.draft import Draft, DraftRequest
 from asymspec_engine.engine import draw_uniform
 from asymspec_engine.feature_draft import FeatureLog, features_from_wire
+from asymspec_engine.suffix import SuffixDrafter
 from edge_gateway.channel import ChannelDown, CloudChannel, CloudError, ReplyTimeout
 from edge_gateway.constrained_draft import propose_constrained
 from edge_gateway.draft_length import GoodputDraftLength
@@ -161,8 +162,34 @@ class SpeculativeEngine:
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
         self.goodput_gamma = GoodputDraftLength(
-            settings.max_num_draft_tokens, pipelined=mode.pipelines
+            settings.max_num_draft_tokens,
+            pipelined=mode.pipelines,
+            min_suffix_expected=settings.suffix_min_expected_tokens,
         )
+        self.suffix = self._suffix_drafter(settings, mode, scheduler)
+
+    @staticmethod
+    def _suffix_drafter(
+        settings: EdgeSettings, mode: Mode, scheduler: DraftScheduler
+    ) -> SuffixDrafter | None:
+        """The edge's suffix drafter, or None where suffix blocks cannot go: switched off;
+        a feature draft (it feeds each token with the target's features of the position
+        before, which a block it did not draft leaves it without); runahead (it drafts
+        the next block on top of the draft's cache of this one)."""
+        if not settings.suffix_drafting or scheduler.draft.needs_features or mode.runs_ahead:
+            return None
+        return SuffixDrafter(settings.suffix_config(), settings.suffix_store_bytes)
+
+    def suffix_draft(self, tokens: list[int]) -> Draft:
+        """A block of the suffix drafter's tokens: q one-hot at each (it replaces the draft
+        model there), so q(x_i) = 1 travels and acceptance is p_i(x_i); the rows are kept
+        for a correction, whose residual is then p without x_i, renormalised."""
+        gamma, vocab = len(tokens), self.scheduler.draft.lm.vocab_size
+        ids = np.asarray(tokens, dtype=np.uint32)  # [γ]
+        rows = torch.zeros((gamma, vocab), dtype=torch.float32)  # [γ, V]
+        rows[torch.arange(gamma), torch.as_tensor(ids.astype(np.int64))] = 1.0
+        half = rows.half().numpy() if self.mode.uploads_full_rows else None  # one-hot: exact
+        return Draft(ids, np.ones(gamma, dtype=np.float32), rows, half)
 
     def speculates(self) -> bool:
         """Whether a request drafts its next block now, or lets the cloud decode for it:
@@ -204,6 +231,8 @@ class SpeculativeEngine:
         except _CLOUD_FAILURES as exc:
             raise _cloud_failure(exc) from exc
         finally:
+            if self.suffix is not None:
+                self.suffix.remember(state.confirmed[len(request.prompt_ids) :])
             await self._close(session_id, opened_draft=state.key)
             request.stats.uplink_bytes, request.stats.downlink_bytes = self.cloud.ledger.of(
                 session_id
@@ -246,6 +275,7 @@ class _RequestState:
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
+        self.suffix_matched = False  # the suffix drafter's last look found a continuation
         # How many of the draft cache's tokens the last verdict confirmed (before the first
         # block, the prompt's all but last, as open() cached them): the next propose rolls
         # the cache back to it. A feature draft's count stops before the block's drafts,
@@ -354,8 +384,22 @@ class _RequestState:
             if self.request.logprobs is not None
             else engine.pause_reason()
         )
-        if self.next_draft is None and paused is not None:
-            decoded = self._cloud_decoded(min(GENERATE_CHUNK_TOKENS, remaining))
+        speculating = self.next_draft is not None or paused is None
+        # A suffix block speculates: not for a request that turned speculation off or asks
+        # for logprobs; a constrained one drafts under its grammar instead.
+        suffix = None
+        plain = self.request.logprobs is None and self.constraint is None
+        if self.request.num_draft_tokens != 0 and plain:
+            suffix = self._suffix_block(remaining, speculating)
+        if suffix is not None:
+            yield await self._one_block(len(suffix.tokens), suffix)
+            return
+        if not speculating:
+            assert paused is not None
+            chunk = GENERATE_CHUNK_TOKENS
+            if self.suffix_matched:  # repeats are about: look for a suffix block sooner
+                chunk = engine.settings.suffix_paused_chunk_tokens
+            decoded = self._cloud_decoded(min(chunk, remaining))
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
                     self.request.stats.record_paused(paused, 1)
@@ -365,6 +409,20 @@ class _RequestState:
         if gamma > remaining - 1 and self.request.num_draft_tokens:
             self.request.stats.record_shortened("max_tokens")
         yield await self._one_block(max(1, min(gamma, remaining - 1)))
+
+    def _suffix_block(self, remaining: int, speculating: bool) -> Draft | None:
+        """The next block from the suffix drafter where the goodput rule says it pays more
+        than the draft model (``speculating``) or the cloud decoding alone; else None."""
+        engine = self.engine
+        if engine.suffix is None or self.next_draft is not None or remaining < 2:
+            return None
+        limit = min(engine.settings.suffix_max_tokens, remaining - 1)
+        proposal = engine.suffix.propose(self.confirmed, limit)
+        self.suffix_matched = bool(proposal.tokens)
+        gamma = engine.goodput_gamma.suffix_tokens(
+            proposal.probs, engine.scheduler.active, speculating
+        )
+        return engine.suffix_draft(proposal.tokens[:gamma]) if gamma else None
 
     async def _cloud_decoded(self, max_tokens: int) -> AsyncGenerator[int, None]:
         """Speculation paused: the cloud samples the next ``max_tokens`` from p alone (its
@@ -398,11 +456,11 @@ class _RequestState:
         await self.open()
         engine.metrics.session_reopens.inc()
 
-    async def _one_block(self, gamma: int) -> list[int]:
+    async def _one_block(self, gamma: int, suffix: Draft | None = None) -> list[int]:
         if self.engine.mode.waits_alone:
             async with self.engine.scheduler.exclusive:
-                return await self._block(gamma)
-        return await self._block(gamma)
+                return await self._block(gamma, suffix)
+        return await self._block(gamma, suffix)
 
     async def _draft(
         self,
@@ -437,10 +495,12 @@ class _RequestState:
         if self.constraint is not None:
             self.constraint.commit(tokens)
 
-    async def _block(self, gamma: int) -> list[int]:
+    async def _block(self, gamma: int, suffix: Draft | None = None) -> list[int]:
+        """One block: ``suffix``'s (drafted without the model), a runahead's, or drafted."""
         engine, metrics = self.engine, self.engine.metrics
-        draft, self.next_draft = self.next_draft, None
-        from_runahead = draft is not None
+        draft, self.next_draft = suffix or self.next_draft, None
+        from_runahead = draft is not None and suffix is None
+        draft_s: float | None = None  # drafted while the last block was out, or no model
         if draft is None:
             # The draft's cache after rolling back to what the last verdict confirmed (its
             # owner's count, clipped: the last draft token was sampled, never fed), and what
@@ -450,10 +510,8 @@ class _RequestState:
             features = None if self.features is None else self.features.before(kept, end)
             drafting_since_s = time.perf_counter()
             draft = await self._draft(gamma, self.confirmed[kept:], kept, features)
-            draft_s: float | None = time.perf_counter() - drafting_since_s
-        else:
-            draft_s = None  # drafted while the last block was out
-        if self.request.num_draft_tokens and len(draft.tokens) < gamma:
+            draft_s = time.perf_counter() - drafting_since_s
+        if suffix is None and self.request.num_draft_tokens and len(draft.tokens) < gamma:
             self.request.stats.record_shortened("draft_stopped")
         gamma = len(draft.tokens)
         self.seq += 1
@@ -485,6 +543,16 @@ class _RequestState:
         self._confirm([*accepted, new_token])
         if runahead is not None:
             await self._adopt_runahead(await runahead, n == gamma, new_token)
+        engine.metrics.record_block(gamma, n)
+        self.request.stats.record_block(gamma, n)
+        if suffix is not None:
+            # The draft's cache did not see this block: what it holds stays as confirmed
+            # as it was, and the next propose feeds it everything since.
+            metrics.suffix_drafts.inc()
+            metrics.suffix_draft_tokens.inc(gamma)
+            metrics.suffix_accepted.inc(n)
+            engine.goodput_gamma.observe_suffix_block(gamma, n)
+            return [*accepted, new_token]
         if self.features is None:
             # The accepted part of what the draft fed stays; the next propose drops the rest
             # (unless an adopted runahead block, drafted from exactly this prefix, goes next).
@@ -496,8 +564,6 @@ class _RequestState:
             # one's guesses, so the count stays where that block's started.
             if not from_runahead:
                 self.draft_confirmed = base_len
-        engine.metrics.record_block(gamma, n)
-        self.request.stats.record_block(gamma, n)
         engine.goodput_gamma.observe_block(gamma, n, draft_s)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]

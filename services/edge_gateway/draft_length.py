@@ -38,11 +38,22 @@ with the pause 0.90-1.10× (median 0.96).
 α and the draft's time per token are exponentially weighted over recent blocks of every
 request on this edge; until the verifier has sent a cost and a few blocks have been seen,
 the configured γ stands and speculation goes on.
+
+Suffix blocks (``asymspec_engine.suffix``) cost the edge nothing: a proposal of n tokens
+whose prefixes are right with probability P_1 >= .. >= P_n earns ``1 + Σ_{i<=k} P_i`` tokens
+for a block of its first k, in a cycle of verifying k + 1 rows alone (the same formulas
+with ``draft_s = 0``). ``suffix_tokens`` picks the k with the most tokens per second, and
+takes the suffix block only where that beats the alternative: the draft model's best γ
+while speculating, the cloud decoding alone while paused. The P_i are the suffix index's
+frequency estimates (a context seen once says 1.0) scaled per position by α_s^i, the
+acceptance measured on suffix blocks, so that a rule fed by optimistic counts learns what
+they are worth.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asymspec.wire import TargetCost
@@ -64,6 +75,10 @@ class GoodputDraftLength:
     _rejected: float = 0.0
     _draft_tokens: float = 0.0
     _draft_s: float = 0.0
+    min_suffix_expected: float = 2.0  # a suffix block's bar while its rule cannot price it
+    _suffix_blocks: float = 0.0
+    _suffix_accepted: float = 0.0
+    _suffix_rejected: float = 0.0
 
     def observe_block(self, gamma: int, n_accepted: int, draft_s: float | None) -> None:
         """A verdict: ``n_accepted`` of ``gamma`` drafts, drafted in ``draft_s`` (None: a
@@ -75,6 +90,48 @@ class GoodputDraftLength:
         if draft_s is not None:
             self._draft_tokens = self._draft_tokens * decay + gamma
             self._draft_s = self._draft_s * decay + draft_s
+
+    def observe_suffix_block(self, gamma: int, n_accepted: int) -> None:
+        """A suffix block's verdict (kept apart from the draft model's α)."""
+        decay = 0.5 ** (1.0 / self.half_life_blocks)
+        self._suffix_blocks = self._suffix_blocks * decay + 1.0
+        self._suffix_accepted = self._suffix_accepted * decay + n_accepted
+        self._suffix_rejected = self._suffix_rejected * decay + (n_accepted < gamma)
+
+    @property
+    def suffix_acceptance(self) -> float | None:
+        """α_s: accepted suffix tokens over suffix tokens tested."""
+        tested = self._suffix_accepted + self._suffix_rejected
+        if self._suffix_blocks < _MIN_BLOCKS or tested <= 0.0:
+            return None
+        return self._suffix_accepted / tested
+
+    def suffix_tokens(self, probs: Sequence[float], open_requests: int, speculating: bool) -> int:
+        """How many of a suffix proposal's tokens to verify as a block without the draft
+        model, 0 for none. ``probs`` [n]: P(the first i tokens are right), non-increasing;
+        ``speculating``: whether the draft model would draft the block otherwise (else the
+        cloud decodes alone)."""
+        if not probs:
+            return 0
+        alpha_s, cost = self.suffix_acceptance, self.target_cost
+        if alpha_s is not None:
+            probs = [p * alpha_s**i for i, p in enumerate(probs, start=1)]
+        if cost is None:
+            return len(probs) if sum(probs) >= self.min_suffix_expected else 0
+        batch = max(1, open_requests)
+        expected, rates = 1.0, []
+        for k, p in enumerate(probs, start=1):
+            expected += p
+            rates.append(expected / self._cycle_s(cost, batch, k, 0.0))
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if speculating:
+            model = self._rates(batch)
+            if model is None:  # the draft's α is not known yet: the bar decides
+                return best + 1 if sum(probs) >= self.min_suffix_expected else 0
+            alternative = max(model)
+        else:
+            alternative = 1.0 / (cost.base_s + cost.row_s * batch)
+        return best + 1 if rates[best] >= alternative else 0
 
     @property
     def acceptance(self) -> float | None:
@@ -114,14 +171,17 @@ class GoodputDraftLength:
         rates = []
         for gamma in range(1, self.max_gamma + 1):
             tokens = sum(alpha**i for i in range(gamma + 1))
-            drafting_s = draft_s * gamma
-            if batch == 1:
-                cycle_s = cost.base_s + cost.row_s * (gamma + 1) + drafting_s
-            elif self.pipelined:  # two groups take turns at the verifier
-                group = math.ceil(batch / 2)
-                verify_s = cost.base_s + cost.row_s * group * (gamma + 1)
-                cycle_s = verify_s + max(verify_s, drafting_s)
-            else:
-                cycle_s = max(cost.base_s + cost.row_s * batch * (gamma + 1), drafting_s)
+            cycle_s = self._cycle_s(cost, batch, gamma, draft_s * gamma)
             rates.append(tokens / cycle_s if cycle_s > 0.0 else math.inf)
         return rates
+
+    def _cycle_s(self, cost: TargetCost, batch: int, gamma: int, drafting_s: float) -> float:
+        """One request's block cycle: γ drafts (``drafting_s`` at the edge) verified as
+        γ + 1 rows, with ``batch`` requests decoding (see the module docstring)."""
+        if batch == 1:
+            return cost.base_s + cost.row_s * (gamma + 1) + drafting_s
+        if self.pipelined:  # two groups take turns at the verifier
+            group = math.ceil(batch / 2)
+            verify_s = cost.base_s + cost.row_s * group * (gamma + 1)
+            return verify_s + max(verify_s, drafting_s)
+        return max(cost.base_s + cost.row_s * batch * (gamma + 1), drafting_s)

@@ -93,6 +93,9 @@ class EdgeMetrics:
     | edge_busy | asymspec_edge_busy_seconds_total | s | engine |
     | edge_idle | asymspec_edge_idle_seconds_total | s | engine |
     | wasted_draft_tokens | asymspec_wasted_draft_tokens_total | tokens (runahead) | engine |
+    | suffix_drafts | asymspec_spec_decode_num_suffix_drafts_total | blocks (no draft) | engine |
+    | suffix_draft_tokens | asymspec_spec_decode_num_suffix_draft_tokens_total | tokens | engine |
+    | suffix_accepted | ..._num_suffix_accepted_tokens_total | tokens | engine |
     | cloud_decoded_tokens | asymspec_cloud_decoded_tokens_total | tokens (paused) | engine |
     | cloud_connected | asymspec_cloud_connected | connected replicas (0/1 with one) | channel |
     | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
@@ -129,6 +132,9 @@ class EdgeMetrics:
     edge_busy: Counter
     edge_idle: Counter
     wasted_draft_tokens: Counter
+    suffix_drafts: Counter
+    suffix_draft_tokens: Counter
+    suffix_accepted: Counter
     cloud_decoded_tokens: Counter
     cloud_connected: Gauge
     session_reopens: Counter
@@ -262,6 +268,19 @@ class EdgeMetrics:
             wasted_draft_tokens=f.counter(
                 "asymspec_wasted_draft_tokens_total",
                 "Draft tokens computed and thrown away (runahead from an unconfirmed prefix).",
+            ),
+            suffix_drafts=f.counter(
+                "asymspec_spec_decode_num_suffix_drafts_total",
+                "Blocks the suffix drafter proposed without a draft-model forward (also counted "
+                "in asymspec_spec_decode_num_drafts_total).",
+            ),
+            suffix_draft_tokens=f.counter(
+                "asymspec_spec_decode_num_suffix_draft_tokens_total",
+                "Draft tokens of suffix blocks.",
+            ),
+            suffix_accepted=f.counter(
+                "asymspec_spec_decode_num_suffix_accepted_tokens_total",
+                "Accepted draft tokens of suffix blocks.",
             ),
             cloud_decoded_tokens=f.counter(
                 "asymspec_cloud_decoded_tokens_total",

@@ -15,6 +15,7 @@ from asymspec_engine.draft import DEFAULT_COPY_WEIGHT
 from asymspec_engine.embedded import EMBEDDED_DRAFT
 from asymspec_engine.hardware import Role
 from asymspec_engine.runtime_settings import RuntimeSettings
+from asymspec_engine.suffix import SuffixConfig
 
 # The batch above which a colocated edge (make run, the compose stack: both models on one
 # host's cores) lets the cloud decode alone; measured with make run on 2 cores (see the
@@ -118,6 +119,53 @@ class EdgeSettings(RuntimeSettings):
         lt=1.0,
         description="λ: draft mass moved to the token that followed the context's last "
         "n-gram before (prompt lookup mixed into q); 0 = the draft model's q alone.",
+    )
+    suffix_drafting: bool = Field(
+        True,
+        description="Suffix drafting (docs/agents.md): where the context's longest repeated "
+        "suffix, or this edge's recent outputs, predict a continuation and the goodput rule "
+        "says it pays, the block is that continuation with q one-hot, with no draft forward.",
+    )
+    suffix_max_tokens: int = Field(
+        32, ge=1, le=64, description="Longest suffix block (draft tokens verified at once)."
+    )
+    suffix_max_match: int = Field(
+        32, ge=1, le=256, description="Longest suffix of the context matched against a text."
+    )
+    suffix_min_match: int = Field(
+        2, ge=1, description="Shortest suffix match that proposes anything."
+    )
+    suffix_spec_factor: float = Field(
+        1.0,
+        gt=0.0,
+        description="A suffix proposal is at most this many times its match length "
+        "(SuffixDecoding's max_spec_factor: a short match earns a short guess).",
+    )
+    suffix_min_token_prob: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="A suffix proposal ends where its estimated probability of being right "
+        "so far (product of next-token frequencies) falls below this.",
+    )
+    suffix_min_expected_tokens: float = Field(
+        2.0,
+        ge=0.0,
+        description="Until the verifier's cost and the acceptances are known: the expected "
+        "accepted tokens a suffix proposal needs to be drafted without the model.",
+    )
+    suffix_store_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=0,
+        description="Bytes of recent outputs (4 a token) the edge keeps for suffix matches "
+        "across requests, least recently used out first; 0 = the request's own context only.",
+    )
+    suffix_paused_chunk_tokens: int = Field(
+        16,
+        ge=1,
+        description="While speculation is paused, a request whose context the suffix drafter "
+        "matched asks the cloud for this many tokens at a time (instead of 64), so that "
+        "it looks for a suffix block again sooner.",
     )
     draft_stop_confidence: float = Field(
         0.0,
@@ -232,6 +280,15 @@ class EdgeSettings(RuntimeSettings):
         if limit is None and self.colocated:
             limit = COLOCATED_SPECULATIVE_BATCH_LIMIT
         return limit is None or batch <= limit
+
+    def suffix_config(self) -> SuffixConfig:
+        return SuffixConfig(
+            max_match=self.suffix_max_match,
+            min_match=min(self.suffix_min_match, self.suffix_max_match),
+            max_tokens=self.suffix_max_tokens,
+            spec_factor=self.suffix_spec_factor,
+            min_token_prob=self.suffix_min_token_prob,
+        )
 
     def ladder(self) -> Ladder:
         return Ladder(

@@ -167,3 +167,44 @@ def test_the_goodput_pause_is_on_by_default_and_can_be_turned_off(
     assert EdgeSettings(shared_secret="s" * 16).goodput_pause
     monkeypatch.setenv("ASYMSPEC_EDGE_GOODPUT_PAUSE", "false")
     assert not EdgeSettings(shared_secret="s" * 16).goodput_pause
+
+
+# ---------------------------------------------------------------- suffix blocks
+
+
+def test_a_suffix_block_needs_the_bar_until_it_can_be_priced() -> None:
+    policy = GoodputDraftLength(max_gamma=8, min_suffix_expected=2.0)
+    assert policy.suffix_tokens([], open_requests=1, speculating=True) == 0
+    assert policy.suffix_tokens([0.9, 0.8, 0.5], 1, True) == 3  # 2.2 expected: over the bar
+    assert policy.suffix_tokens([0.9, 0.6], 1, True) == 0  # 1.5: under it
+    policy.target_cost = COMPUTE_BOUND  # priced now, but the draft's α is still unknown
+    assert policy.suffix_tokens([0.9, 0.6], 1, True) == 0
+    # k = 2 of [1.0, 1.0, 0.05]: 3 / (0.015 + 0.0019 × 3) = 144.9 tokens/s beats k = 3's
+    # 3.05 / 0.0226 = 135.0: the bar passes, and the rule cuts the doubtful third token
+    assert policy.suffix_tokens([1.0, 1.0, 0.05], 1, True) == 2
+
+
+def test_a_suffix_block_is_priced_against_the_draft_model_and_the_cloud() -> None:
+    policy = seen(*[(4, 1)] * 4, *[(4, 2)] * 4, *[(4, 0)] * 2)  # α ≈ 0.55, best γ = 1
+    policy.target_cost = COMPUTE_BOUND
+    # The draft model's best: γ = 1, 1.545 / 0.0228 = 67.8 tokens/s. A sure 16-token copy:
+    # 17 / (0.015 + 0.0019 × 17) = 360 tokens/s; a coin flip on one token: 1.5 / 0.0188 = 79.8.
+    assert policy.suffix_tokens([1.0] * 16, 1, speculating=True) == 16
+    assert policy.suffix_tokens([0.5], 1, speculating=True) == 1
+    assert policy.suffix_tokens([0.2], 1, speculating=True) == 0  # 1.2 / 0.0188 = 63.8
+    # Paused, the cloud alone makes 1 / (0.015 + 0.0019) = 59.2 tokens/s: 0.2 then pays.
+    assert policy.suffix_tokens([0.2], 1, speculating=False) == 1
+    assert policy.suffix_tokens([0.1], 1, speculating=False) == 0  # 1.1 / 0.0188 = 58.5
+
+
+def test_suffix_acceptance_discounts_the_frequency_estimates() -> None:
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
+    for _ in range(8):
+        policy.observe_suffix_block(8, 2)  # 2 of 8 each time: α_s = 16 / (16 + 8)
+    assert policy.suffix_acceptance == pytest.approx(2 / 3)
+    assert policy.acceptance is None  # the draft model's α is apart
+    # [1, 1]: discounted to [2/3, 4/9], 1.11 expected, under the bar of 2
+    assert policy.suffix_tokens([1.0, 1.0], 1, speculating=True) == 0
+    assert policy.suffix_tokens([1.0] * 8, 1, speculating=True) == 0  # Σ (2/3)^i = 1.92
+    policy.min_suffix_expected = 1.5
+    assert policy.suffix_tokens([1.0] * 8, 1, speculating=True) == 8

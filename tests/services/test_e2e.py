@@ -55,6 +55,8 @@ VARIANTS = {
     "asymspec-paused": ("asymspec", {"speculative_disable_by_batch_size": "1"}),
     # The product's default: speculation pauses where the goodput model says it loses.
     "asymspec-goodput": ("asymspec", {"goodput_pause": "true"}),
+    # Suffix blocks only where the drafter has no doubt, for a comparison without them.
+    "asymspec-nosuffix": ("asymspec", {"suffix_drafting": "false"}),
 }
 # Edges whose draft is a feature draft of the tiny target (fed the target's hidden states).
 FEATURE_VARIANTS = {
@@ -197,6 +199,54 @@ def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, S
     assert decoded >= 32 and blocks >= 8, (decoded, blocks)
     # The same edge with the pause off speculates throughout (the other variants' default).
     assert metric_value(edges["asymspec"], "asymspec_cloud_decoded_tokens_total") == 0
+
+
+def _rounds(edge: Service, first: list[int], n_rounds: int, max_tokens: int) -> list[list[int]]:
+    """A conversation replayed round by round on ``edge``: each round's prompt is the last
+    prompt, the model's own answer and the first prompt again (an agent resending its
+    history and asking again), greedy. Returns each round's output token ids."""
+    prompt, outputs = list(first), []
+    for _ in range(n_rounds):
+        body: dict[str, Any] = {
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True,
+        }  # fmt: skip
+        choice = complete(edge, **body)["choices"][0]
+        outputs.append(choice["token_ids"])
+        prompt = [*prompt, *choice["token_ids"], 7, *first]
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["asymspec", "full-upload", "standard", "asymspec-paused"])
+def test_suffix_blocks_keep_greedy_output_over_rounds(edges: dict[str, Service], mode: str) -> None:
+    """Multi-round conversations where the history repeats: the suffix drafter proposes
+    blocks without the draft model, and every round's output equals target-only's."""
+    names = (
+        "asymspec_spec_decode_num_suffix_drafts_total",
+        "asymspec_spec_decode_num_suffix_draft_tokens_total",
+    )
+    before = [metric_value(edges[mode], name) for name in names]
+    for first in ([*PROMPT_IDS, 60], [12, 13, 14, 15, 16]):
+        expected = _rounds(edges["target-only"], first, 3, 40)
+        assert _rounds(edges[mode], first, 3, 40) == expected
+    blocks, tokens = (metric_value(edges[mode], n) - b for n, b in zip(names, before, strict=True))
+    assert blocks >= 2 and tokens >= 2 * blocks, (blocks, tokens)
+    assert metric_value(edges["asymspec-nosuffix"], names[0]) == 0
+
+
+def test_concurrent_conversations_with_suffix_blocks_match_target_only(
+    edges: dict[str, Service],
+) -> None:
+    """Several conversations at once, the edge's store of outputs shared between them."""
+    firsts = [[*PROMPT_IDS, 70 + i] for i in range(4)]
+    expected = [_rounds(edges["target-only"], f, 2, 32) for f in firsts]
+
+    async def together() -> list[list[list[int]]]:
+        return await asyncio.gather(
+            *(asyncio.to_thread(_rounds, edges["asymspec"], f, 2, 32) for f in firsts)
+        )
+
+    assert asyncio.run(together()) == expected
 
 
 # ---------------------------------------------------------------- distribution
