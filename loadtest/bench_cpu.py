@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import time
@@ -51,10 +52,17 @@ def workload(requests: int) -> list[list[dict[str, str]]]:
     return [mixed[i % len(mixed)] for i in range(requests)]
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
 class Server:
     """One server under test in its own process group, stopped as a whole."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path):
+        if not port_is_free(port):  # else another process would answer for this one
+            raise RuntimeError(f"port {port} is taken: stop what listens there first")
         self.name, self.port = name, port
         self.log = log.open("w")
         self.proc = subprocess.Popen(
@@ -169,16 +177,21 @@ async def drive(
 
 
 def summary(rows: list[dict[str, Any]], servers: list[str], levels: list[int]) -> str:
-    def median(server: str, c: int) -> float:
-        return statistics.median(
+    def median(server: str, c: int) -> float | None:
+        got = [
             r["throughput_tok_s"] for r in rows if r["server"] == server and r["concurrency"] == c
-        )
+        ]
+        return statistics.median(got) if got else None
 
-    lines = ["| server | C | tok/s (median) | vs llama-server |", "|---|---|---|---|"]
+    lines = ["| server | C | tok/s (median) | runs | vs llama-server |", "|---|---|---|---|---|"]
     for server in servers:
         for c in levels:
-            ratio = median(server, c) / median("llama-server", c)
-            lines.append(f"| {server} | {c} | {median(server, c):.1f} | {ratio:.2f}x |")
+            value, base = median(server, c), median("llama-server", c)
+            if value is None:
+                continue
+            runs = sum(r["server"] == server and r["concurrency"] == c for r in rows)
+            ratio = f"{value / base:.2f}x" if base else ""
+            lines.append(f"| {server} | {c} | {value:.1f} | {runs} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -199,7 +212,26 @@ def main() -> int:
         "make run target-only": lambda: make_run("target-only", args.out),
         "make run asymspec": lambda: make_run("asymspec", args.out),
     }
+    facts = {
+        **machine_facts(),
+        "engine": "llama.cpp",
+        "gguf": f"{target_gguf().name} (Q8_0, the embedded target)",
+        "llama_server": f"-np {SLOTS}, default threads ({os.cpu_count()})",
+        "make_run_threads": "colocated: cloud 1 (every core while it decodes alone), edge 1",
+    }
+    config = {k: str(v) for k, v in vars(args).items() if k != "out"}
+    command = "make bench-cpu  # .venv/bin/python -m loadtest.bench_cpu"
     rows: list[dict[str, Any]] = []
+
+    def save() -> str:  # after every row: a run cut short keeps what it measured
+        table = summary(rows, list(starts), args.concurrency)
+        document = {"command": command, "machine": facts, "config": config, "rows": rows}
+        (args.out / "results.json").write_text(json.dumps(document, indent=1))
+        (args.out / "results.md").write_text(
+            f"`{command}`\n\nmachine: {json.dumps(facts)}\n\n{table}\n"
+        )
+        return table
+
     for round_index in range(args.rounds):
         for name, start in starts.items():
             server = start()
@@ -212,24 +244,10 @@ def main() -> int:
                     row |= asyncio.run(drive(server.port, workload(requests), c, args.max_tokens))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
+                    save()
             finally:
                 server.stop()
-    facts = {
-        **machine_facts(),
-        "engine": "llama.cpp",
-        "gguf": f"{target_gguf().name} (Q8_0, the embedded target)",
-        "llama_server": f"-np {SLOTS}, default threads ({os.cpu_count()})",
-        "make_run_threads": "colocated: cloud 1 (every core while it decodes alone), edge 1",
-    }
-    config = {k: str(v) for k, v in vars(args).items() if k != "out"}
-    table = summary(rows, list(starts), args.concurrency)
-    command = "make bench-cpu  # .venv/bin/python -m loadtest.bench_cpu"
-    (args.out / "results.json").write_text(
-        json.dumps({"command": command, "machine": facts, "config": config, "rows": rows}, indent=1)
-    )
-    (args.out / "results.md").write_text(
-        f"`{command}`\n\nmachine: {json.dumps(facts)}\n\n{table}\n"
-    )
+    table = save()
     print(table)
     return 0
 
