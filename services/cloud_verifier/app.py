@@ -76,7 +76,9 @@ async def _load(state: CloudState) -> None:
         s.max_wait_ms / 1000,
         state.metrics,
         s.prefill_budget(),
-        threads=s.forward_threads(),
+        # every core while the cloud decodes alone, except for an engine whose threads
+        # spin: the colocated edge still streams then, and would stall every barrier
+        threads=None if target.lm.busy_waits else s.forward_threads(),
         model_thread=model_thread,
     )
     state.batcher.start()
