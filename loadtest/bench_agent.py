@@ -4,7 +4,7 @@
         [--concurrency 1 8] [--temperatures 0 0.7] [--per-kind 2] [--max-tokens 128]
         [--dtype float32] [--out loadtest/results/agent]
 
-For each variant it starts ``scripts/run_local.sh`` as ``make run`` does (``Stack`` of
+For each variant it starts ``scripts/run_local.sh`` as ``make run`` does (``make_run_stack`` of
 ``bench_make_run.py``), with the mode and any extra edge settings the variant names; then
 replays held-out agent conversations (``loadtest.conversations``) round by round, the
 model's own answers going into the history, ``C`` conversations at a time, and reports
@@ -23,9 +23,7 @@ import asyncio
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ import httpx
 from asymspec_engine.hardware import machine_facts
 from loadtest.conversations import Conversation, agent_conversations
 from loadtest.prompts import chat_prompts
+from loadtest.server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,49 +54,15 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 SECRET = "agent-bench-secret"
 
 
-class Stack:
+def Stack(mode: str, extra: dict[str, str], edge_port: int, log: Path) -> ServerProcess:
     """``scripts/run_local.sh`` on its own ports, in its own process group. Every variant's
     stack runs side by side, so that variants take turns within each measurement and a
     shared machine's background load falls on all of them alike."""
-
-    def __init__(self, mode: str, extra: dict[str, str], edge_port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{edge_port}"
-        env = {
-            **os.environ, **extra, "ASYMSPEC_MODE": mode, "ASYMSPEC_SHARED_SECRET": SECRET,
-            "ASYMSPEC_EDGE_PORT": str(edge_port), "ASYMSPEC_CLOUD_PORT": str(edge_port + 1),
-        }  # fmt: skip
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            ["bash", "scripts/run_local.sh"],
-            cwd=REPO,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"run_local.sh exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.url} did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+    env = {
+        **extra, "ASYMSPEC_MODE": mode, "ASYMSPEC_SHARED_SECRET": SECRET,
+        "ASYMSPEC_EDGE_PORT": str(edge_port), "ASYMSPEC_CLOUD_PORT": str(edge_port + 1),
+    }  # fmt: skip
+    return ServerProcess(mode, ["bash", "scripts/run_local.sh"], env, edge_port, log)
 
 
 COUNTERS = (
@@ -297,7 +262,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     answers: dict[str, Any] = {}
     stacks = {
-        v: Stack(*VARIANTS[v], args.port + 2 * i, args.out / f"{v}.log")
+        v: make_run_stack(*VARIANTS[v], args.port + 2 * i, args.out / f"{v}.log")
         for i, v in enumerate(args.variants)
     }
     try:

@@ -21,10 +21,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from asymspec_engine.hardware import machine_facts
 from asymspec_engine.llamacpp import ENGINE_GGUF
 from asymspec_engine.loading import resolve_model
 from loadtest.prompts import chat_prompts, code_as_chat, humaneval_prompts
+from loadtest.server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = REPO / ".cache/llama-cpp-python/build/bin/llama-server"
@@ -52,72 +50,28 @@ def workload(requests: int) -> list[list[dict[str, str]]]:
     return [mixed[i % len(mixed)] for i in range(requests)]
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) != 0
-
-
-class Server:
-    """One server under test in its own process group, stopped as a whole."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path):
-        if not port_is_free(port):  # else another process would answer for this one
-            raise RuntimeError(f"port {port} is taken: stop what listens there first")
-        self.name, self.port = name, port
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env={**os.environ, **env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
 def target_gguf() -> Path:
     return Path(resolve_model(EMBEDDED_TARGET)) / ENGINE_GGUF
 
 
-def llama_server(log_dir: Path) -> Server:
+def llama_server(log_dir: Path) -> ServerProcess:
     argv = [
         str(LLAMA_SERVER), "-m", str(target_gguf()), "-np", str(SLOTS),
         "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(LLAMA_PORT),
     ]  # fmt: skip
-    return Server("llama-server", argv, {}, LLAMA_PORT, log_dir / "llama-server.log")
+    return ServerProcess("llama-server", argv, {}, LLAMA_PORT, log_dir / "llama-server.log")
 
 
-def make_run(mode: str, log_dir: Path) -> Server:
+def make_run(mode: str, log_dir: Path) -> ServerProcess:
     env = {
         "ASYMSPEC_MODE": mode,
         "ASYMSPEC_EDGE_PORT": str(EDGE_PORT),
         "ASYMSPEC_CLOUD_PORT": str(CLOUD_PORT),
         "ASYMSPEC_SHARED_SECRET": SECRET,
     }
-    return Server(mode, ["bash", "scripts/run_local.sh"], env, EDGE_PORT, log_dir / f"{mode}.log")
+    return ServerProcess(
+        mode, ["bash", "scripts/run_local.sh"], env, EDGE_PORT, log_dir / f"{mode}.log"
+    )
 
 
 async def one_chat(
