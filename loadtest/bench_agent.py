@@ -54,7 +54,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 SECRET = "agent-bench-secret"
 
 
-def Stack(mode: str, extra: dict[str, str], edge_port: int, log: Path) -> ServerProcess:
+def make_run_stack(mode: str, extra: dict[str, str], edge_port: int, log: Path) -> ServerProcess:
     """``scripts/run_local.sh`` on its own ports, in its own process group. Every variant's
     stack runs side by side, so that variants take turns within each measurement and a
     shared machine's background load falls on all of them alike."""
