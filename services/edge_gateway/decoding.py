@@ -417,7 +417,10 @@ class _RequestState:
         if engine.suffix is None or self.next_draft is not None or remaining < 2:
             return None
         limit = min(engine.settings.suffix_max_tokens, remaining - 1)
-        proposal = engine.suffix.propose(self.confirmed, limit)
+        # A seeded request's blocks depend on the request alone, so that the same request
+        # gives the same text again: the store holds whatever others wrote meanwhile.
+        seeded = self.request.seed is not None
+        proposal = engine.suffix.propose(self.confirmed, limit, use_store=not seeded)
         self.suffix_matched = bool(proposal.tokens)
         gamma = engine.goodput_gamma.suffix_tokens(
             proposal.probs, engine.scheduler.active, speculating

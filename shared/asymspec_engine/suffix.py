@@ -231,13 +231,17 @@ class SuffixDrafter:
         self.config = config
         self.store = SuffixStore(store_bytes)
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> SuffixProposal:
+    def propose(
+        self, context: Sequence[int], max_tokens: int, use_store: bool = True
+    ) -> SuffixProposal:
         """The better of the context's own proposal and the store's (more expected accepted
-        tokens), at most ``max_tokens`` long."""
+        tokens), at most ``max_tokens`` long; the context's alone without ``use_store``."""
         if max_tokens < 1:
             return NO_PROPOSAL
         ids = np.asarray(context, dtype=np.int32)
         own = propose_from(ids, ids, self.config)
+        if not use_store:
+            return own.cut(max_tokens)
         stored = self.store.propose(ids, self.config)
         if stored.expected_tokens > own.expected_tokens:
             self.store.touch(stored.end)

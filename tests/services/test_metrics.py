@@ -70,6 +70,9 @@ CLOUD_NAMES = {
     "asymspec_cloud_connected_edges",
     "asymspec_target_forward_base_seconds",
     "asymspec_target_forward_row_seconds",
+    "asymspec_prefix_reused_tokens",
+    "asymspec_cloud_edge_sessions_opened",
+    "asymspec_cloud_edge_link_bytes",
 }
 
 
