@@ -22,7 +22,7 @@ from asymspec.modes import Mode, get_mode
 from asymspec_engine.engine import SessionLM
 from asymspec_engine.feature_draft import FeatureLM
 from asymspec_engine.hardware import Role, colocated_threads, pick_device, resolve_precision
-from asymspec_engine.loading import EngineName, EngineOptions, choose_engine, load_session_lm
+from asymspec_engine.loading import EngineName, EngineOptions, load_session_lm
 
 log = logging.getLogger("asymspec.runtime")
 
@@ -100,18 +100,11 @@ class RuntimeSettings(BaseSettings):
             torch.set_num_threads(threads)
         device = self.device or pick_device()
         precision = resolve_precision(self.dtype, device)
-        cores = os.cpu_count() or 1
-        engine_threads = threads or cores
-        spins = choose_engine(self.engine, name_or_path, device).name == "llama.cpp"
-        if spins and self.colocated and not self.threads and cores > 1:
-            # llama.cpp's threads spin at every barrier of a forward: beside the other
-            # service, which always has work (streaming, drafting), each keeps a core free
-            engine_threads = min(engine_threads, cores - 1)
         options = EngineOptions(
             engine=self.engine,
             device=device,
             precision=precision,
-            threads=engine_threads,
+            threads=threads or os.cpu_count() or 1,
             max_sessions=self.max_sessions,
             session_tokens=self.session_tokens,
         )
