@@ -110,7 +110,11 @@ async def drive(
     port: int, requests: list[list[dict[str, str]]], concurrency: int, max_tokens: int
 ) -> dict[str, Any]:
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=900) as client:
+    # A connection per request: llama-server closes idle keep-alive connections, and a
+    # request sent on one as it closes fails; the same for every server, on loopback.
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=fresh) as client:
 
         async def limited(i: int, messages: list[dict[str, str]]) -> dict[str, float]:
             async with limit:
