@@ -34,7 +34,7 @@ import httpx
 from asymspec_engine.hardware import machine_facts
 from loadtest.conversations import Conversation, agent_conversations
 from loadtest.prompts import chat_prompts
-from loadtest.server_process import ServerProcess
+from loadtest.server_process import ServerProcess, stream_chat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,31 +83,9 @@ async def chat_turn(
     max_tokens: int,
     temperature: float,
 ) -> dict[str, Any]:
-    body = {
-        "model": "asymspec", "messages": messages, "max_tokens": max_tokens,
-        "temperature": temperature, "seed": seed, "stream": True,
-        "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    started = time.perf_counter()
-    first: float | None = None
-    content, tokens = "", 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter()
-                content += piece
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    done = time.perf_counter()
-    return {"content": content, "tokens": tokens, "ttft_s": (first or done) - started}
+    body = {"model": "asymspec", "messages": messages, "max_tokens": max_tokens}
+    chat = await stream_chat(client, {**body, "temperature": temperature, "seed": seed})
+    return {"content": chat.content, "tokens": chat.tokens, "ttft_s": chat.ttft_s}
 
 
 async def replay(

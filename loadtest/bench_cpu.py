@@ -33,7 +33,7 @@ from asymspec_engine.hardware import machine_facts
 from asymspec_engine.llamacpp import ENGINE_GGUF
 from asymspec_engine.loading import resolve_model
 from loadtest.prompts import chat_prompts, code_as_chat, humaneval_prompts
-from loadtest.server_process import ServerProcess
+from loadtest.server_process import ServerProcess, stream_chat
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = REPO / ".cache/llama-cpp-python/build/bin/llama-server"
@@ -77,33 +77,9 @@ def make_run(mode: str, log_dir: Path) -> ServerProcess:
 async def one_chat(
     client: httpx.AsyncClient, messages: list[dict[str, str]], seed: int, max_tokens: int
 ) -> dict[str, float]:
-    body = {
-        "model": "asymspec", "messages": messages, "max_tokens": max_tokens,
-        "temperature": 0.7, "seed": seed, "stream": True,
-        "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    started = time.perf_counter()
-    first: float | None = None
-    tokens = pieces = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                first = first or time.perf_counter()
-                pieces += 1
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    done = time.perf_counter()
-    return {
-        "ttft_s": (first or done) - started,
-        "e2e_s": done - started,
-        "tokens": tokens or pieces,
-    }
+    body = {"model": "asymspec", "messages": messages, "max_tokens": max_tokens}
+    chat = await stream_chat(client, {**body, "temperature": 0.7, "seed": seed})
+    return {"ttft_s": chat.ttft_s, "e2e_s": chat.e2e_s, "tokens": chat.tokens}
 
 
 async def drive(

@@ -1,15 +1,18 @@
 """A server under test as a process group of its own: started, waited for until healthy,
 and stopped as a whole (``scripts/run_local.sh`` starts two services; a signal to the group
-reaches both)."""
+reaches both); and the streaming chat client the benchmarks measure it with."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -61,3 +64,37 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+@dataclass(frozen=True)
+class StreamedChat:
+    content: str
+    tokens: int  # completion tokens as the usage chunk counts them, else content chunks
+    ttft_s: float
+    e2e_s: float
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedChat:
+    """One streamed chat completion (``body`` without ``stream``), timed as a user sees it."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first: float | None = None
+    content, tokens, pieces = "", 0, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece:
+                    first = first or time.perf_counter()
+                    content += piece
+                    pieces += 1
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    done = time.perf_counter()
+    return StreamedChat(content, tokens or pieces, (first or done) - started, done - started)
