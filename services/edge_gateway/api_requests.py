@@ -125,14 +125,11 @@ def _structured_grammar(body: SamplingFields) -> str:
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise InvalidRequest("json_schema needs a schema", "response_format")
         return grammar.from_json_schema(fmt.json_schema.json_schema)
-    if body.guided_json is not None:
-        return grammar.from_json_schema(_schema(body.guided_json, "guided_json"))
-    if body.guided_regex is not None:
-        return grammar.from_regex(body.guided_regex)
-    if body.guided_choice is not None:
-        return grammar.from_choice(body.guided_choice)
-    if body.guided_grammar is not None:
-        return grammar.from_lark(body.guided_grammar)
+    guided = _from_fields(
+        body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar, "guided_json"
+    )
+    if guided is not None:
+        return guided
     so = body.structured_outputs
     assert so is not None
     given = [
@@ -142,15 +139,27 @@ def _structured_grammar(body: SamplingFields) -> str:
         raise InvalidRequest(
             "structured_outputs needs exactly one constraint", "structured_outputs"
         )
-    if so.json_schema is not None:
-        return grammar.from_json_schema(_schema(so.json_schema, "structured_outputs"))
-    if so.regex is not None:
-        return grammar.from_regex(so.regex)
-    if so.choice is not None:
-        return grammar.from_choice(so.choice)
-    if so.grammar is not None:
-        return grammar.from_lark(so.grammar)
-    return grammar.from_json_object()
+    found = _from_fields(so.json_schema, so.regex, so.choice, so.grammar, "structured_outputs")
+    return grammar.from_json_object() if found is None else found
+
+
+def _from_fields(
+    json_schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    lark: str | None,
+    param: str,
+) -> str | None:
+    """The grammar of vLLM's constraint fields (the first one set), None when none is."""
+    if json_schema is not None:
+        return grammar.from_json_schema(_schema(json_schema, param))
+    if regex is not None:
+        return grammar.from_regex(regex)
+    if choice is not None:
+        return grammar.from_choice(choice)
+    if lark is not None:
+        return grammar.from_lark(lark)
+    return None
 
 
 def _schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
