@@ -91,7 +91,7 @@ class _Job:
 
     @property
     def forwards(self) -> bool:
-        """Its work is a row of the round's forward (a close runs after it)."""
+        """Its work is a row of the round's forward (a close runs before it)."""
         return self.verifies or self.generates
 
     @property
@@ -387,10 +387,17 @@ class Batcher:
     # ------------------------------------------------------------------ worker thread
 
     def _execute(self, jobs: list[_Job], chunks: list[_Chunk]) -> list[tuple[bool, Any]]:
-        """Run one round on the worker thread: one forward for the prefill chunks, verify
-        blocks and decode steps, then the closes. Per job (ok, result or exception)."""
+        """Run one round on the worker thread: the closes, then one forward for the prefill
+        chunks, verify blocks and decode steps. Per job (ok, result or exception).
+
+        Closes go first: an agent's next round, sent as its last one ended, often lands in
+        the same round as that one's close, and its prefill adopts the closed session's
+        cache only if the close has run (work of a closing session is moot: it fails)."""
         results: dict[int, tuple[bool, Any]] = {}
         live: list[int] = []
+        for i, job in enumerate(jobs):
+            if job.closes:
+                results[i] = _guard(self._close, job)
         for i, job in enumerate(jobs):
             if not job.forwards:
                 continue
@@ -415,9 +422,6 @@ class Batcher:
                     results.update({i: (False, exc) for i in live})
                     for chunk in chunks:
                         _resolve_threadsafe(chunk.prefill.job.future, exc)
-            for i, job in enumerate(jobs):
-                if job.closes:
-                    results[i] = _guard(self._close, job)
         return [results[i] for i in range(len(jobs))]
 
     def _start_chunks(self, chunks: list[_Chunk]) -> list[tuple[PrefillChunk, Session]]:

@@ -36,6 +36,7 @@ The torch engine in float32 is the exact reference.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
 import threading
 from collections import OrderedDict
@@ -57,6 +58,7 @@ ENGINE_QUANT = "q8_0"
 ENGINE_GGUF = f"model.{ENGINE_QUANT}.gguf"
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids per context
 MIN_REUSE_TOKENS = 16  # a shorter common prefix is cheaper to prefill than to look for
+MOSTLY_SHARED = 0.9  # a closed stream worth adopting while a free one waits (adopt_prefix)
 _backend_lock = threading.Lock()
 _log_callback_ref: object = None  # llama.cpp keeps the C pointer: keep its Python object alive
 
@@ -92,7 +94,9 @@ def bindings() -> Any:
 
 @dataclass
 class _Session:
-    seq_id: int
+    # its KV stream: None until it first holds a token, so that opening a session never
+    # gives up a closed session's stream that it would then adopt (``adopt_prefix``)
+    seq_id: int | None = None
     token_ids: list[int] = field(default_factory=list)
     scope: str = ""  # whose closed sessions it may reuse (the cloud: one edge's)
 
@@ -169,10 +173,11 @@ class LlamaCppEngine:
         vocab = lib.llama_model_get_vocab(self._model)
         self._vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self.max_sessions: int | None = max_sessions
+        self._seq_ids = max_sessions
         self.batch_tokens = batch_tokens
         self._threads = threads
         self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
-        self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
+        self._free_seq_ids = list(range(max_sessions))  # a heap: the lowest id goes first
         self._sessions: dict[str, _Session] = {}
         self._retained: OrderedDict[int, _Session] = OrderedDict()  # closed; oldest first
         self.forward_calls = 0
@@ -232,7 +237,9 @@ class LlamaCppEngine:
         logits [V] after the last token, None for an empty prefill."""
         if session_id in self._sessions:
             raise KeyError(f"session {session_id!r} is already open")
-        self._sessions[session_id] = _Session(self._take_seq_id(), scope=scope)
+        if len(self._sessions) >= self._seq_ids:
+            raise RuntimeError(f"the engine holds at most {self._seq_ids} sessions at once")
+        self._sessions[session_id] = _Session(scope=scope)
         if not token_ids:
             return None
         try:
@@ -251,7 +258,14 @@ class LlamaCppEngine:
     def adopt_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Give an empty session the stream of the closed session (in its scope) that shares
         the longest prefix with ``token_ids``, rolled back to that prefix; how many tokens
-        the session now holds (0: none shared ``MIN_REUSE_TOKENS`` or more)."""
+        the session now holds (0: none shared ``MIN_REUSE_TOKENS`` or more).
+
+        While a stream is free, a closed session gives up its stream only where the shared
+        prefix is most of the shorter of the two (``MOSTLY_SHARED``): the same prompt again,
+        or a conversation's next round. Prompts that share no more than a chat template's
+        opening would otherwise each cut another conversation's cache down to that opening,
+        and that conversation's next round would find nothing. With no stream free, the new
+        session costs some closed session its stream anyway: the best match gives it up."""
         session = self._session(session_id)
         if session.token_ids:
             raise ValueError(f"session {session_id!r} is not empty: it cannot adopt a prefix")
@@ -259,15 +273,19 @@ class LlamaCppEngine:
         for closed in self._retained.values():
             if closed.scope == session.scope:
                 shared = common_prefix(closed.token_ids, token_ids)
-                if shared > best_len:
+                shorter = min(len(closed.token_ids), len(token_ids))
+                worth_it = not self._free_seq_ids or shared >= MOSTLY_SHARED * shorter
+                if shared > best_len and worth_it:
                     best, best_len = closed, shared
         if best is None or best_len < MIN_REUSE_TOKENS:
             return 0
+        assert best.seq_id is not None  # a retained session held tokens
         del self._retained[best.seq_id]
         if not self._lib.llama_memory_seq_rm(self._memory, best.seq_id, best_len, -1):
             self._drop(best.seq_id)
             return 0
-        self._free_seq_ids.append(session.seq_id)  # empty: nothing to remove
+        if session.seq_id is not None:  # rolled back to empty: nothing to remove
+            heapq.heappush(self._free_seq_ids, session.seq_id)
         session.seq_id, session.token_ids = best.seq_id, best.token_ids[:best_len]
         self.reused_tokens += best_len
         return best_len
@@ -276,7 +294,7 @@ class LlamaCppEngine:
         """End a session (idempotent); its stream is kept for ``adopt_prefix`` unless
         ``retain`` is False or it holds too few tokens to be worth it."""
         session = self._sessions.pop(session_id, None)
-        if session is None:
+        if session is None or session.seq_id is None:
             return
         if retain and len(session.token_ids) >= MIN_REUSE_TOKENS:
             self._retained[session.seq_id] = session
@@ -286,7 +304,7 @@ class LlamaCppEngine:
     def _take_seq_id(self) -> int:
         """A free sequence id; else the least recently closed session's, its cells dropped."""
         if self._free_seq_ids:
-            return self._free_seq_ids.pop()
+            return heapq.heappop(self._free_seq_ids)
         if self._retained:
             seq_id, _ = self._retained.popitem(last=False)
             self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
@@ -295,7 +313,7 @@ class LlamaCppEngine:
 
     def _drop(self, seq_id: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        self._free_seq_ids.append(seq_id)
+        heapq.heappush(self._free_seq_ids, seq_id)
 
     def truncate(self, session_id: str, new_length: int) -> None:
         """Roll back to the first ``new_length`` tokens (a confirmed prefix)."""
@@ -305,6 +323,7 @@ class LlamaCppEngine:
                 f"cannot truncate a {len(session.token_ids)}-token session to {new_length}"
             )
         if new_length < len(session.token_ids):
+            assert session.seq_id is not None  # it holds tokens
             if not self._lib.llama_memory_seq_rm(self._memory, session.seq_id, new_length, -1):
                 raise RuntimeError(f"llama.cpp could not roll {session_id!r} back")
             del session.token_ids[new_length:]
@@ -330,6 +349,9 @@ class LlamaCppEngine:
         counts = [len(new_ids) for _, new_ids in batch]
         keeps = list(counts) if keep_rows is None else [int(k) for k in keep_rows]
         sessions = [self._session(session_id) for session_id, _ in batch]
+        for session in sessions:
+            if session.seq_id is None:
+                session.seq_id = self._take_seq_id()
         for (session_id, _), n_new, keep in zip(batch, counts, keeps, strict=True):
             if n_new == 0:
                 raise ValueError(f"session {session_id!r}: no new tokens to forward")
@@ -343,7 +365,17 @@ class LlamaCppEngine:
         total = sum(counts)
         if total > self.batch_tokens:
             raise ValueError(f"{total} tokens in one forward; the engine takes {self.batch_tokens}")
-        self._fill_batch(batch, sessions, counts, keeps)
+        # llama.cpp splits a batch over several KV streams into one pass per run of
+        # consecutive, increasing sequence ids (``split_equal``): in the caller's order 16
+        # sessions could take 16 passes over the weights. In id order, and with the lowest
+        # free ids handed out first, they take one.
+        order = sorted(range(len(batch)), key=lambda i: sessions[i].seq_id or 0)
+        self._fill_batch(
+            [batch[i] for i in order],
+            [sessions[i] for i in order],
+            [counts[i] for i in order],
+            [keeps[i] for i in order],
+        )
         status = self._lib.llama_decode(self._ctx, self._batch)
         if status != 0:
             # 1: no free KV cells; the cache is as before the call (llama.h)
@@ -358,7 +390,11 @@ class LlamaCppEngine:
         pointer = self._lib.llama_get_logits(self._ctx)
         rows = np.ctypeslib.as_array(pointer, shape=(n_out, self._vocab_size))
         logits = torch.from_numpy(rows.copy())  # [n_out, V]: llama.cpp reuses its buffer
-        return list(logits.split(keeps))
+        in_order = logits.split([keeps[i] for i in order])
+        out: list[torch.Tensor] = [in_order[0]] * len(batch)
+        for position, i in enumerate(order):
+            out[i] = in_order[position]
+        return out
 
     def _fill_batch(
         self,
@@ -381,6 +417,7 @@ class LlamaCppEngine:
             positions[row : row + n_new] = np.arange(start, start + n_new)
             wants[row : row + n_new - keep] = 0
             wants[row + n_new - keep : row + n_new] = 1
+            assert session.seq_id is not None  # given one before the batch is filled
             for i in range(row, row + n_new):
                 b.seq_id[i][0] = session.seq_id
             row += n_new

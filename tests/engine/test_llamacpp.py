@@ -78,6 +78,24 @@ def test_a_ragged_batch_equals_each_session_alone(tiny_gguf: Path) -> None:
         assert (rows[i] - single).abs().max() <= TOLERANCE
 
 
+def test_a_batch_out_of_session_order_returns_its_rows_in_its_own_order(
+    tiny_gguf: Path,
+) -> None:
+    """The engine feeds llama.cpp the sessions in stream order (one pass, not one per
+    stream); each item still gets its own rows back."""
+    batched, alone = _engine(tiny_gguf), _engine(tiny_gguf)
+    for i in range(4):
+        batched.open(f"s{i}", _tokens(60 + i, 6))
+        alone.open(f"s{i}", _tokens(60 + i, 6))
+    order, keep = [2, 0, 3, 1], [1, 3, 2, 0]
+    news = {i: _tokens(70 + i, 3) for i in order}
+    rows = batched.forward_new([(f"s{i}", news[i]) for i in order], keep_rows=keep)
+    for position, (i, k) in enumerate(zip(order, keep, strict=True)):
+        (single,) = alone.forward_new([(f"s{i}", news[i])], keep_rows=[k])
+        assert rows[position].shape == (k, batched.vocab_size)
+        assert torch.allclose(rows[position], single, rtol=0.0, atol=TOLERANCE)
+
+
 def test_keep_rows_zero_caches_without_logits(tiny_gguf: Path, reference: torch.nn.Module) -> None:
     lm = _engine(tiny_gguf)
     sequence = _tokens(8, 30)
@@ -214,3 +232,18 @@ def test_kept_sessions_give_way_to_live_ones(tiny_gguf: Path) -> None:
         lm.open("e", _tokens(23, 30))
     lm.close("c", retain=False)
     lm.open("e", _tokens(23, 30))
+
+
+def test_a_full_engine_still_hands_a_kept_prefix_to_its_next_round(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    lm = _engine(tiny_gguf, max_sessions=2)
+    first_round = _tokens(40, 30)
+    lm.open("live", _tokens(41, 30))
+    lm.open("round1", first_round)
+    lm.close("round1")  # kept, and no stream is free: a new session must not evict it
+    second_round = [*first_round, *lm_tokens_after(first_round)]
+    last = lm.open("round2", second_round)
+    assert lm.reused_tokens == 30
+    assert last is not None
+    assert (last - full_logits(reference, second_round)[-1]).abs().max() <= TOLERANCE
