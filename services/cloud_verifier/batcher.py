@@ -156,6 +156,12 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.prefill_budget = prefill_budget or PrefillBudget()
         self.cost = ForwardCost()  # what this target's forwards cost here, as measured
+        # The same for forwards without prompt chunks: what a verify or decode round costs,
+        # which an edge chooses γ and the pause by. A row's cost is far from a line on some
+        # CPUs (2 threads of an AVX-512 EPYC, 135M target: 1 row 6.5 ms, 2 rows 15, 5 rows
+        # 26, a 150-row prompt 125): a fit that takes prompt chunks in sees rows as cheap
+        # and a fixed cost as dear, and would keep speculating where decoding alone is faster.
+        self.step_cost = ForwardCost()
         self.metrics = metrics
         metrics.forward_base_seconds.set_function(lambda: self._fitted_cost()[0])
         metrics.forward_row_seconds.set_function(lambda: self._fitted_cost()[1])
@@ -187,7 +193,7 @@ class Batcher:
 
     def target_cost(self) -> TargetCost | None:
         """The forward cost an edge chooses γ by; None until base and slope are told apart."""
-        fit = self.cost.identified_fit()
+        fit = self.step_cost.identified_fit()
         return None if fit is None else TargetCost(*fit)
 
     def _fitted_cost(self) -> tuple[float, float]:
@@ -480,7 +486,10 @@ class Batcher:
         keys = fed_keys(prefills, scores, steps, self.target.length)  # (before it runs)
         started = time.perf_counter()
         done = self.target.round(prefills, scores, steps)
-        self.cost.observe(fed_rows(prefills, scores, steps), time.perf_counter() - started, keys)
+        elapsed_s, rows = time.perf_counter() - started, fed_rows(prefills, scores, steps)
+        self.cost.observe(rows, elapsed_s, keys)
+        if not prefills:
+            self.step_cost.observe(rows, elapsed_s, keys)
         kind = "verify" if verify_jobs else "decode" if steps or constrained else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         for (_, session), features in zip(starting, done.prefill_features, strict=True):

@@ -240,3 +240,55 @@ def test_a_session_about_to_ask_keeps_the_long_prompt_in_small_chunks() -> None:
         assert len(waiting) >= 4 and max(waiting) <= 5, (start, long_chunks)
     assert max(long_chunks[waits[-1][1] :]) >= 24  # alone again once it closed
     assert sum(long_chunks) == 800
+
+
+class PromptRowsCheapTarget(RecordingTarget):
+    """A CPU whose prompt rows, many to a forward, cost a fraction of a decode row's (its
+    products change kernels with the rows), so forward cost is far from one line."""
+
+    BASE_S, STEP_ROW_S, PROMPT_ROW_S = 0.002, 0.006, 0.0005
+
+    def round(
+        self,
+        prefills: Sequence[PrefillChunk],
+        scores: Sequence[ScoreRequest],
+        steps: Sequence[StepRequest],
+    ) -> Round:
+        step_rows = fed_rows([], scores, steps)
+        prompt_rows = fed_rows(prefills, [], [])
+        cost_s = self.BASE_S + self.STEP_ROW_S * step_rows + self.PROMPT_ROW_S * prompt_rows
+        started = time.perf_counter()
+        out = super().round(prefills, scores, steps)
+        time.sleep(max(0.0, cost_s - (time.perf_counter() - started)))
+        return out
+
+
+def test_edges_get_the_cost_of_rounds_without_prompt_chunks() -> None:
+    """The cost an edge chooses γ and the pause by comes from verify and decode rounds
+    only: prompt chunks, cheap per row here, would make every row look cheap."""
+    target = PromptRowsCheapTarget()
+    metrics = CloudMetrics.create(CollectorRegistry())
+    batcher = Batcher(target, 8, 0.0, metrics, PrefillBudget(chunk_tokens=64))
+    sessions = [session_with_prompt(i, 4) for i in range(1, 5)]
+
+    async def decode(session: Session, tokens: int) -> None:
+        async for _ in batcher.generate(session, tokens):
+            pass
+
+    async def run() -> None:
+        batcher.start()
+        for session in sessions:
+            await batcher.prefill(session)
+        for i in range(3):  # prompt rounds between decode rounds of one and of four rows
+            await batcher.prefill(session_with_prompt(10 + i, 200))
+            await decode(sessions[0], 6)
+            await asyncio.gather(*(decode(session, 6) for session in sessions))
+        await batcher.stop()
+
+    asyncio.run(run())
+    assert any(chunks for chunks, _ in target.rounds)  # prompt chunks did run
+    cost = batcher.target_cost()
+    assert cost is not None
+    assert cost.row_s == pytest.approx(target.STEP_ROW_S, rel=0.35)
+    every_forward = batcher.cost.fit()
+    assert every_forward is not None and every_forward[1] < 0.5 * target.STEP_ROW_S
