@@ -162,6 +162,7 @@ class Batcher:
         # 26, a 150-row prompt 125): a fit that takes prompt chunks in sees rows as cheap
         # and a fixed cost as dear, and would keep speculating where decoding alone is faster.
         self.step_cost = ForwardCost()
+        self._step_fit: TargetCost | None = None  # the last one told apart (target_cost)
         self.metrics = metrics
         metrics.forward_base_seconds.set_function(lambda: self._fitted_cost()[0])
         metrics.forward_row_seconds.set_function(lambda: self._fitted_cost()[1])
@@ -192,9 +193,14 @@ class Batcher:
         self.model_thread.shutdown()
 
     def target_cost(self) -> TargetCost | None:
-        """The forward cost an edge chooses γ by; None until base and slope are told apart."""
+        """The forward cost an edge chooses γ by; None until base and slope are told apart.
+        The last one told apart stands while they cannot be (rounds of one size only, as
+        while edges have paused speculation and the cloud decodes alone): an edge told
+        nothing would resume speculating only to learn again that it does not pay."""
         fit = self.step_cost.identified_fit()
-        return None if fit is None else TargetCost(*fit)
+        if fit is not None:
+            self._step_fit = TargetCost(*fit)
+        return self._step_fit
 
     def _fitted_cost(self) -> tuple[float, float]:
         """(base_s, per_row_s) for the gauges, NaN before any forward."""
