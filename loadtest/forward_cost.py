@@ -33,7 +33,15 @@ from asymspec_engine.prepare import gguf_path
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX_TOKENS = 300
-SHAPES = {"1 x 1": (1, 1), "16 x 1": (16, 1), "16 x 5": (16, 5)}
+# a decode step and verifies of γ = 1, 2 and 4 for one session, then for sixteen
+SHAPES = {
+    "1 x 1": (1, 1),
+    "1 x 2": (1, 2),
+    "1 x 3": (1, 3),
+    "1 x 5": (1, 5),
+    "16 x 1": (16, 1),
+    "16 x 5": (16, 5),
+}
 PREFILL_TOKENS = 1024
 
 
