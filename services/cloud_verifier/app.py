@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -25,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from asymspec.constraint import ConstraintBuilder
 from asymspec.model_thread import ModelThread
 from asymspec_engine.feature_draft import FeatureLM
-from asymspec_engine.hardware import ForwardThreads
 from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher
 from cloud_verifier.channel import ChannelServer
@@ -61,15 +59,6 @@ def load_target(settings: CloudSettings) -> tuple[TargetModel, ConstraintBuilder
     return target, ConstraintBuilder(tokenizer, target.vocab_size)
 
 
-def forward_threads(settings: CloudSettings, target: TargetModel) -> ForwardThreads | None:
-    """The colocated thread policy; an engine whose threads spin at barriers does not take
-    every core while the cloud decodes alone (the edge streams those tokens meanwhile)."""
-    threads = settings.forward_threads()
-    if threads is None or not target.lm.busy_waits:
-        return threads
-    return dataclasses.replace(threads, solo_when_decoding_alone=False)
-
-
 async def _load(state: CloudState) -> None:
     # Loaded on the thread that will run its forwards: see asymspec.model_thread for why.
     model_thread = ModelThread("target")
@@ -87,7 +76,7 @@ async def _load(state: CloudState) -> None:
         s.max_wait_ms / 1000,
         state.metrics,
         s.prefill_budget(),
-        threads=forward_threads(s, target),
+        threads=s.forward_threads(),
         model_thread=model_thread,
     )
     state.batcher.start()

@@ -492,10 +492,10 @@ class Batcher:
         keys = fed_keys(prefills, scores, steps, self.target.length)  # (before it runs)
         started = time.perf_counter()
         done = self.target.round(prefills, scores, steps)
-        elapsed_s, rows = time.perf_counter() - started, fed_rows(prefills, scores, steps)
-        self.cost.observe(rows, elapsed_s, keys)
+        elapsed_s, fed = time.perf_counter() - started, fed_rows(prefills, scores, steps)
+        self.cost.observe(fed, elapsed_s, keys)
         if not prefills:
-            self.step_cost.observe(rows, elapsed_s, keys)
+            self.step_cost.observe(fed, elapsed_s, keys)
         kind = "verify" if verify_jobs else "decode" if steps or constrained else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         for (_, session), features in zip(starting, done.prefill_features, strict=True):

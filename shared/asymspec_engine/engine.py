@@ -51,7 +51,6 @@ class SessionLM(Protocol):
     already holds; 0 where the engine keeps no closed sessions)."""
 
     name: str  # "llama.cpp" or "torch": logged and recorded in results
-    busy_waits: bool  # its threads spin while they wait: never more threads than cores
     forward_calls: int
     max_sessions: int | None
     restricts_head: bool
@@ -288,7 +287,6 @@ class CachedLM(SessionTable[_Session]):
     """
 
     name = "torch"
-    busy_waits = False
     max_sessions: int | None = None
     restricts_head = False
     hidden_size = 0  # no hidden states

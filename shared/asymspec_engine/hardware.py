@@ -115,17 +115,12 @@ class ForwardThreads:
 
     shared: int
     solo: int
-    # False for an engine whose threads spin at barriers (llama.cpp): while the cloud
-    # decodes many requests alone the colocated edge streams their tokens, and a core taken
-    # from it stalls every barrier of every forward
-    solo_when_decoding_alone: bool = True
 
     def for_round(self, open_sessions: int, cloud_decodes_alone: bool) -> int:
         """``cloud_decodes_alone``: the round decodes and verifies no block, so the edge,
         whose requests wait for those tokens, is not drafting (target-only mode, or a
         colocated edge that paused speculation at a large batch)."""
-        alone = cloud_decodes_alone and self.solo_when_decoding_alone
-        return self.solo if open_sessions <= 1 or alone else self.shared
+        return self.solo if open_sessions <= 1 or cloud_decodes_alone else self.shared
 
 
 def machine_facts() -> dict[str, object]:

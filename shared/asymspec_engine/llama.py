@@ -120,7 +120,6 @@ class LlamaEngine(SessionTable[_Session]):
     """
 
     name = "torch"
-    busy_waits = False
     restricts_head = True  # ``restrict_head``: a draft's head over some tokens
     max_sessions: int | None = None  # KV slots are allocated per session, without a bound
 

@@ -117,12 +117,11 @@ class LlamaCppEngine:
     llama.cpp's own contexts require.
     """
 
-    name = "llama.cpp"
     # ggml's threads spin at each of a forward's hundreds of barriers: with more threads
     # than free cores one preempted thread stalls the others for a time slice each time
     # (a 16-chat run went 10x slower beside a busy process). Callers never raise its threads
     # above the cores it was given.
-    busy_waits = True
+    name = "llama.cpp"
     restricts_head = False  # its LM head scores the whole vocabulary
     hidden_size = 0  # hidden states are not asked of it (a feature draft runs on torch)
 
