@@ -31,7 +31,11 @@ from typing import Any
 
 import httpx
 
+from asymspec_engine.embedded import EMBEDDED_DRAFT
 from asymspec_engine.hardware import machine_facts
+from asymspec_engine.llamacpp import ENGINE_GGUF
+from asymspec_engine.loading import resolve_model
+from loadtest.bench_cpu import LLAMA_SERVER, SLOTS, target_gguf
 from loadtest.conversations import Conversation, agent_conversations
 from loadtest.prompts import chat_prompts
 from loadtest.server_process import ServerProcess, stream_chat
@@ -51,6 +55,13 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "asymspec": ("asymspec", {}),
     "asymspec-nosuffix": ("asymspec", {"ASYMSPEC_EDGE_SUFFIX_DRAFTING": "false"}),
 }
+# What a user would run instead: llama-server on the target's GGUF (``bench_cpu``'s), alone,
+# with its n-gram drafter, and with the embedded draft's GGUF as its draft model.
+LLAMA_SERVER_VARIANTS: dict[str, list[str]] = {
+    "llama-server": [],
+    "llama-server-ngram": ["--spec-type", "ngram-mod"],
+    "llama-server-draft": ["--spec-type", "draft-simple", "-md", "{draft_gguf}"],
+}
 SECRET = "agent-bench-secret"
 
 
@@ -63,6 +74,18 @@ def make_run_stack(mode: str, extra: dict[str, str], edge_port: int, log: Path) 
         "ASYMSPEC_EDGE_PORT": str(edge_port), "ASYMSPEC_CLOUD_PORT": str(edge_port + 1),
     }  # fmt: skip
     return ServerProcess(mode, ["bash", "scripts/run_local.sh"], env, edge_port, log)
+
+
+def start_variant(variant: str, port: int, log: Path) -> ServerProcess:
+    if variant in VARIANTS:
+        return make_run_stack(*VARIANTS[variant], port, log)
+    draft_gguf = str(Path(resolve_model(EMBEDDED_DRAFT)) / ENGINE_GGUF)
+    extra = [a.format(draft_gguf=draft_gguf) for a in LLAMA_SERVER_VARIANTS[variant]]
+    argv = [
+        str(LLAMA_SERVER), "-m", str(target_gguf()), "-np", str(SLOTS),
+        "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(port), "--metrics", *extra,
+    ]  # fmt: skip
+    return ServerProcess(variant, argv, {}, port, log)
 
 
 COUNTERS = (
@@ -108,9 +131,12 @@ async def replay(
 
 
 def counters(url: str) -> dict[str, float]:
-    """The edge's counters (``uplink_bytes``: the link bytes it sent)."""
-    out = {name: metric_sum(url, name) for name in COUNTERS[:-1]}
+    """The edge's counters (``uplink_bytes``: the link bytes it sent); zeros for a server
+    that has none of them (llama-server)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
+    if "asymspec_" not in text:
+        return dict.fromkeys(COUNTERS, 0.0)
+    out = {name: metric_sum(url, name) for name in COUNTERS[:-1]}
     out["uplink_bytes"] = sum(float(v) for v in _UPLINK.findall(text))
     return out
 
@@ -126,7 +152,9 @@ def measure(
 
     async def run() -> tuple[list[list[dict[str, Any]]], float]:
         limit = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        # a connection per request: llama-server closes idle keep-alive connections
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=900, limits=fresh) as client:
 
             async def limited(i: int, conv: Conversation) -> list[dict[str, Any]]:
                 async with limit:
@@ -212,7 +240,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=[*VARIANTS, *LLAMA_SERVER_VARIANTS],
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--per-kind", type=int, default=2, help="held-out conversations a kind")
@@ -240,7 +273,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     answers: dict[str, Any] = {}
     stacks = {
-        v: make_run_stack(*VARIANTS[v], args.port + 2 * i, args.out / f"{v}.log")
+        v: start_variant(v, args.port + 2 * i, args.out / f"{v}.log")
         for i, v in enumerate(args.variants)
     }
     try:
