@@ -54,6 +54,11 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "target-only": ("target-only", {}),
     "asymspec": ("asymspec", {}),
     "asymspec-nosuffix": ("asymspec", {"ASYMSPEC_EDGE_SUFFIX_DRAFTING": "false"}),
+    "target-only-noreuse": ("target-only", {"ASYMSPEC_CLOUD_PREFIX_REUSE": "false"}),
+    "asymspec-noreuse": (
+        "asymspec",
+        {"ASYMSPEC_CLOUD_PREFIX_REUSE": "false", "ASYMSPEC_EDGE_PREFIX_REUSE": "false"},
+    ),
 }
 # What a user would run instead: llama-server on the target's GGUF (``bench_cpu``'s), alone,
 # with its n-gram drafter, and with the embedded draft's GGUF as its draft model.

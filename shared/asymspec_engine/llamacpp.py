@@ -136,11 +136,13 @@ class LlamaCppEngine:
         session_tokens: int = 4096,
         batch_tokens: int = 2048,
         micro_batch_tokens: int = 512,
+        prefix_reuse: bool = True,
     ) -> None:
         """``max_sessions``: sessions open at once (each a KV stream); ``session_tokens``:
         the most tokens a session holds (at most the model's trained context);
         ``batch_tokens``: the most tokens one ``llama_decode`` takes (longer prefills go in
-        several); ``micro_batch_tokens``: llama.cpp's physical batch (it splits larger ones)."""
+        several); ``micro_batch_tokens``: llama.cpp's physical batch (it splits larger ones);
+        ``prefix_reuse``: keep closed sessions' streams for ``adopt_prefix``."""
         if not 1 <= max_sessions <= LLAMA_MAX_SEQ:
             raise ValueError(f"max_sessions must be 1..{LLAMA_MAX_SEQ}, got {max_sessions}")
         lib = bindings()
@@ -172,6 +174,7 @@ class LlamaCppEngine:
         vocab = lib.llama_model_get_vocab(self._model)
         self._vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self.max_sessions: int | None = max_sessions
+        self.prefix_reuse = prefix_reuse
         self._seq_ids = max_sessions
         self.batch_tokens = batch_tokens
         self._threads = threads
@@ -295,7 +298,7 @@ class LlamaCppEngine:
         session = self._sessions.pop(session_id, None)
         if session is None or session.seq_id is None:
             return
-        if retain and len(session.token_ids) >= MIN_REUSE_TOKENS:
+        if retain and self.prefix_reuse and len(session.token_ids) >= MIN_REUSE_TOKENS:
             self._retained[session.seq_id] = session
         else:
             self._drop(session.seq_id)

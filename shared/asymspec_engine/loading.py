@@ -149,6 +149,7 @@ class EngineOptions:
     threads: int = 1
     max_sessions: int = 16
     session_tokens: int = 4096
+    prefix_reuse: bool = True  # llama.cpp: keep closed sessions' streams (adopt_prefix)
 
 
 def load_session_lm(
@@ -167,6 +168,7 @@ def load_session_lm(
             threads=options.threads,
             max_sessions=options.max_sessions,
             session_tokens=options.session_tokens,
+            prefix_reuse=options.prefix_reuse,
         )
         return lm, load_tokenizer(name_or_path, choice.gguf)
     precision = options.precision or resolve_precision("auto", device)

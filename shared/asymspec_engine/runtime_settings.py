@@ -56,6 +56,11 @@ class RuntimeSettings(BaseSettings):
         description="llama.cpp: the most tokens (prompt + output) one session holds; KV "
         "memory is max_sessions x session_tokens cells.",
     )
+    prefix_reuse: bool = Field(
+        True,
+        description="llama.cpp: keep closed sessions' KV streams, so that a new session "
+        "sharing one's prefix (an agent's next round) is prefilled only past it.",
+    )
     colocated: bool = Field(
         False,
         validation_alias=AliasChoices("ASYMSPEC_COLOCATED", "colocated"),
@@ -107,6 +112,7 @@ class RuntimeSettings(BaseSettings):
             threads=threads or os.cpu_count() or 1,
             max_sessions=self.max_sessions,
             session_tokens=self.session_tokens,
+            prefix_reuse=self.prefix_reuse,
         )
         log.info(
             "%s model %s: engine %s, %d threads (torch engine: %s on %s)",

@@ -5,6 +5,7 @@ time, rollback, session capacity, and the engine choice."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def reference(tiny_pair: tuple[Path, Path]) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
 
 
-def _engine(path: Path, **kwargs: int) -> LlamaCppEngine:
+def _engine(path: Path, **kwargs: Any) -> LlamaCppEngine:
     return LlamaCppEngine(path, threads=1, **kwargs)
 
 
@@ -247,3 +248,12 @@ def test_a_full_engine_still_hands_a_kept_prefix_to_its_next_round(
     assert lm.reused_tokens == 30
     assert last is not None
     assert (last - full_logits(reference, second_round)[-1]).abs().max() <= TOLERANCE
+
+
+def test_without_prefix_reuse_a_closed_session_keeps_nothing(tiny_gguf: Path) -> None:
+    lm = _engine(tiny_gguf, max_sessions=2, prefix_reuse=False)
+    first_round = _tokens(50, 30)
+    lm.open("round1", first_round)
+    lm.close("round1")
+    lm.open("round2", [*first_round, *lm_tokens_after(first_round)])
+    assert lm.reused_tokens == 0
