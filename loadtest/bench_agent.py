@@ -35,7 +35,7 @@ from asymspec_engine.embedded import EMBEDDED_DRAFT
 from asymspec_engine.hardware import machine_facts
 from asymspec_engine.llamacpp import ENGINE_GGUF
 from asymspec_engine.loading import resolve_model
-from loadtest.bench_cpu import LLAMA_SERVER, SLOTS, target_gguf
+from loadtest.bench_cpu import llama_server
 from loadtest.conversations import Conversation, agent_conversations
 from loadtest.prompts import chat_prompts
 from loadtest.server_process import ServerProcess, stream_chat
@@ -86,11 +86,7 @@ def start_variant(variant: str, port: int, log: Path) -> ServerProcess:
         return make_run_stack(*VARIANTS[variant], port, log)
     draft_gguf = str(Path(resolve_model(EMBEDDED_DRAFT)) / ENGINE_GGUF)
     extra = [a.format(draft_gguf=draft_gguf) for a in LLAMA_SERVER_VARIANTS[variant]]
-    argv = [
-        str(LLAMA_SERVER), "-m", str(target_gguf()), "-np", str(SLOTS),
-        "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(port), "--metrics", *extra,
-    ]  # fmt: skip
-    return ServerProcess(variant, argv, {}, port, log)
+    return llama_server(log, port, variant, ["--metrics", *extra])
 
 
 COUNTERS = (

@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,15 @@ def target_gguf() -> Path:
     return Path(resolve_model(EMBEDDED_TARGET)) / ENGINE_GGUF
 
 
-def llama_server(log_dir: Path) -> ServerProcess:
+def llama_server(
+    log: Path, port: int = LLAMA_PORT, name: str = "llama-server", extra: Sequence[str] = ()
+) -> ServerProcess:
+    """``llama-server -np 16`` on the embedded target's GGUF, with ``extra`` arguments."""
     argv = [
         str(LLAMA_SERVER), "-m", str(target_gguf()), "-np", str(SLOTS),
-        "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(LLAMA_PORT),
+        "-c", str(SLOTS * 4096), "--host", "127.0.0.1", "--port", str(port), *extra,
     ]  # fmt: skip
-    return ServerProcess("llama-server", argv, {}, LLAMA_PORT, log_dir / "llama-server.log")
+    return ServerProcess(name, argv, {}, port, log)
 
 
 def make_run(mode: str, log_dir: Path) -> ServerProcess:
@@ -142,7 +146,7 @@ def main() -> int:
         parser.error(f"{LLAMA_SERVER} is missing: run `make llama-server` first")
     args.out.mkdir(parents=True, exist_ok=True)
     starts = {
-        "llama-server": lambda: llama_server(args.out),
+        "llama-server": lambda: llama_server(args.out / "llama-server.log"),
         "make run target-only": lambda: make_run("target-only", args.out),
         "make run asymspec": lambda: make_run("asymspec", args.out),
     }

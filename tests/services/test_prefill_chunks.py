@@ -103,9 +103,11 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first() -> None
 
 class PerRowCostTarget(RecordingTarget):
     """The real tiny target, each forward held to what a compute-bound CPU's costs: a fixed
-    part plus a part per row (the tiny model itself costs about the same at any rows)."""
+    part plus a part per row (the tiny model itself costs about the same at any rows); a
+    prompt row costs ``PROMPT_ROW_S`` (None: the same as a verify or decode row)."""
 
     BASE_S, PER_ROW_S = 0.010, 0.003
+    PROMPT_ROW_S: float | None = None
 
     def round(
         self,
@@ -113,7 +115,12 @@ class PerRowCostTarget(RecordingTarget):
         scores: Sequence[ScoreRequest],
         steps: Sequence[StepRequest],
     ) -> Round:
-        cost_s = self.BASE_S + self.PER_ROW_S * fed_rows(prefills, scores, steps)
+        prompt_row_s = self.PER_ROW_S if self.PROMPT_ROW_S is None else self.PROMPT_ROW_S
+        cost_s = (
+            self.BASE_S
+            + self.PER_ROW_S * fed_rows([], scores, steps)
+            + prompt_row_s * fed_rows(prefills, [], [])
+        )
         started = time.perf_counter()
         out = super().round(prefills, scores, steps)
         time.sleep(max(0.0, cost_s - (time.perf_counter() - started)))
@@ -242,25 +249,11 @@ def test_a_session_about_to_ask_keeps_the_long_prompt_in_small_chunks() -> None:
     assert sum(long_chunks) == 800
 
 
-class PromptRowsCheapTarget(RecordingTarget):
+class PromptRowsCheapTarget(PerRowCostTarget):
     """A CPU whose prompt rows, many to a forward, cost a fraction of a decode row's (its
     products change kernels with the rows), so forward cost is far from one line."""
 
-    BASE_S, STEP_ROW_S, PROMPT_ROW_S = 0.002, 0.006, 0.0005
-
-    def round(
-        self,
-        prefills: Sequence[PrefillChunk],
-        scores: Sequence[ScoreRequest],
-        steps: Sequence[StepRequest],
-    ) -> Round:
-        step_rows = fed_rows([], scores, steps)
-        prompt_rows = fed_rows(prefills, [], [])
-        cost_s = self.BASE_S + self.STEP_ROW_S * step_rows + self.PROMPT_ROW_S * prompt_rows
-        started = time.perf_counter()
-        out = super().round(prefills, scores, steps)
-        time.sleep(max(0.0, cost_s - (time.perf_counter() - started)))
-        return out
+    BASE_S, PER_ROW_S, PROMPT_ROW_S = 0.002, 0.006, 0.0005
 
 
 def test_edges_get_the_cost_of_rounds_without_prompt_chunks() -> None:
@@ -289,6 +282,6 @@ def test_edges_get_the_cost_of_rounds_without_prompt_chunks() -> None:
     assert any(chunks for chunks, _ in target.rounds)  # prompt chunks did run
     cost = batcher.target_cost()
     assert cost is not None
-    assert cost.row_s == pytest.approx(target.STEP_ROW_S, rel=0.35)
+    assert cost.row_s == pytest.approx(target.PER_ROW_S, rel=0.35)
     every_forward = batcher.cost.fit()
-    assert every_forward is not None and every_forward[1] < 0.5 * target.STEP_ROW_S
+    assert every_forward is not None and every_forward[1] < 0.5 * target.PER_ROW_S
