@@ -21,6 +21,9 @@ a long one.
 Every use of the model, prefill, scoring, rollback and session close included, runs on the
 batcher's model thread (the one that loaded the target, see `asymspec.model_thread`), so the
 model and its caches have exactly one owner and the event loop stays free for the channel.
+So does everything that reads or changes a session's state (its admission, verdict,
+corrections and decode steps; see `cloud_verifier.sessions`): the event loop hands the
+batcher a session's work and gets back what goes on the wire.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from asymspec.actors import ActorDied, Supervised
+from asymspec.correction import Rung
 from asymspec.model_thread import ModelThread
-from asymspec.wire import ErrorCode, TargetCost, VerifyResult, WireError
+from asymspec.wire import BlockId, ErrorCode, Payload, TargetCost, TokenIds, VerifyResult, WireError
 from asymspec_engine.hardware import ForwardThreads
 from asymspec_engine.target import (
     PrefillChunk,
@@ -49,7 +54,7 @@ from asymspec_engine.target import (
 )
 from cloud_verifier.forward_cost import ForwardCost, PrefillBudget
 from cloud_verifier.metrics import CloudMetrics
-from cloud_verifier.sessions import AnyBlock, Session
+from cloud_verifier.sessions import AnyBlock, Decoded, Session
 
 # How long after its verdict (its prompt's prefill, its generation's end) a session's next
 # block or decode step counts as due: an edge's draft, its queue and the round trip take
@@ -107,12 +112,15 @@ class _Job:
 @dataclass(slots=True)
 class _Generation:
     """A target-only generation held in every round until it ends; owned by the actor
-    loop, which puts each token (then None, or the error that ended it) on ``tokens``."""
+    loop, which puts each token (then None, or the error that ended it) on ``tokens``.
+    Its first round admits it (on the model thread, as every session change)."""
 
     job: _Job
-    remaining: int
+    committed_tail: TokenIds  # the edge's recovered token, where one is awaited
+    max_tokens: int
     stop_ids: frozenset[int]
-    tokens: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
+    tokens: asyncio.Queue[Decoded | BaseException | None] = field(default_factory=asyncio.Queue)
+    admitted: bool = False  # its first round ran (set by the actor loop after it)
     abandoned: bool = False  # its consumer went away: dropped before the next round
 
     def end(self, error: BaseException | None = None) -> None:
@@ -126,10 +134,11 @@ class _Prefill:
     job: _Job
     done: int = 0  # prompt tokens already in the target's cache
     started: bool = False  # the target's session is open
+    features: list[torch.Tensor] = field(default_factory=list)  # h per chunk, where asked
 
     @property
     def total(self) -> int:
-        return len(self.job.session.confirmed) - 1  # the last token is the first block's tail
+        return self.job.session.prompt_len - 1  # the last token is the first block's tail
 
 
 @dataclass(slots=True)
@@ -137,6 +146,16 @@ class _Chunk:
     prefill: _Prefill
     start: int
     end: int
+    features: torch.Tensor | None = None  # its positions' h, where the session asked
+
+
+@dataclass(slots=True)
+class _Round:
+    """What the actor loop hands the model thread for one round."""
+
+    jobs: list[_Job]  # closes, verify blocks and decode steps
+    chunks: list[_Chunk]  # prompt chunks
+    ended: list[Session]  # generations whose consumer went away
 
 
 class Batcher:
@@ -220,24 +239,41 @@ class Batcher:
         for job in held:
             _resolve(job.future, False, error)
 
-    async def prefill(self, session: Session) -> None:
-        await self._submit(JobKind.PREFILL, session)
+    async def prefill(self, session: Session) -> torch.Tensor | None:
+        """Put the session's prompt in the target's cache; its positions' h where the
+        session asked for them ([n, hidden]), else None."""
+        features: torch.Tensor | None = await self._submit(JobKind.PREFILL, session)
+        return features
 
     async def verify(self, session: Session, block: AnyBlock) -> VerifyResult:
+        """Admit the block and score it (a retransmission: the verdict it got), or raise
+        the admission's WireError."""
         result: VerifyResult = await self._submit(JobKind.VERIFY, session, block)
         return result
 
+    async def correct(self, session: Session, block: BlockId, rung: Rung, index: int) -> Payload:
+        """Answer an escalation from the row retained at the rejection (no forward: it
+        runs on the model thread between rounds)."""
+        self.actor.check()
+        return await self.model_thread.run(session.correct, block, rung, index)
+
     async def generate(
-        self, session: Session, max_tokens: int, stop_ids: Collection[int] = ()
-    ) -> AsyncGenerator[int, None]:
+        self,
+        session: Session,
+        max_tokens: int,
+        stop_ids: Collection[int] = (),
+        committed_tail: TokenIds | None = None,
+    ) -> AsyncGenerator[Decoded, None]:
         """Target-only decoding: the session's next tokens, one per round, until a stop
-        token (included) or ``max_tokens``."""
+        token (included) or ``max_tokens``. Its first round admits it with the edge's
+        recovered token, where one is awaited (or raises the admission's WireError)."""
         self.actor.check()
         if max_tokens < 1:
             return
+        tail = np.zeros(0, np.uint32) if committed_tail is None else committed_tail
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         job = _Job(JobKind.GENERATE, session, future)
-        job.generation = generation = _Generation(job, max_tokens, frozenset(stop_ids))
+        job.generation = generation = _Generation(job, tail, max_tokens, frozenset(stop_ids))
         self._queue.put_nowait(job)
         try:
             while (item := await generation.tokens.get()) is not None:
@@ -274,13 +310,14 @@ class Batcher:
                 if job.verifies:  # close jobs queue too; not counted
                     self.metrics.verify_queue_wait.observe(started - job.enqueued_s)
                 work.append(job)
-            for gone in [g for g in self._generating if g.abandoned]:
-                gone.job.session.generating = False
+            ended = [g for g in self._generating if g.abandoned]
+            for gone in ended:
                 self._generating.remove(gone)
             work += [g.job for g in self._generating]
             chunks = self._next_chunks(sum(job.rows for job in work) or self._due_rows(started))
             self._in_flight = work  # so that a death fails them too
-            outcomes = await self.model_thread.run(self._execute, work, chunks)
+            round_ = _Round(work, chunks, [g.job.session for g in ended])
+            outcomes = await self.model_thread.run(self._execute, round_)
             handed_back_s = time.perf_counter()
             for job, (ok, value) in zip(work, outcomes, strict=True):
                 if job.generation is None:
@@ -296,15 +333,14 @@ class Batcher:
         self, generation: _Generation, ok: bool, value: Any, handed_back_s: float
     ) -> None:
         """Hand a generation its round's token; it ends at a stop token, its last token or
-        an error."""
+        an error (the model thread has ended it in the session already)."""
+        generation.admitted = True
         if ok:
             generation.tokens.put_nowait(value)
-            generation.remaining -= 1
-            if value not in generation.stop_ids and generation.remaining > 0:
+            if not value.last:
                 return
         # A session closed under it (the edge's request went away) just ends it: nobody is
         # waiting for an error frame about a session the edge itself closed.
-        generation.job.session.generating = False  # before its edge sees the last token
         generation.end(None if ok or isinstance(value, SessionClosed) else value)
         self._generating.remove(generation)
         if ok:  # its edge's next ask or block is due (or its close: that clears it)
@@ -385,12 +421,21 @@ class Batcher:
                 self._drop(prefill)
                 continue
             prefill.done = chunk.end
+            if chunk.features is not None:
+                prefill.features.append(chunk.features)
             if prefill.done >= prefill.total:
-                _resolve(prefill.job.future, True, None)
+                _resolve(prefill.job.future, True, self._prompt_features(prefill))
                 self._drop(prefill)
                 # its first block or decode step comes next (a row at least): until it
                 # does, a long prompt's rounds leave room for it, as between two blocks
                 self._work_due[prefill.job.session.key] = (1, handed_back_s)
+
+    def _prompt_features(self, prefill: _Prefill) -> torch.Tensor | None:
+        if not prefill.job.session.wants_features:
+            return None
+        if not prefill.features:  # a one-token prompt: no position was fed
+            return torch.zeros(0, self.target.hidden_size)
+        return torch.cat(prefill.features)
 
     def _drop(self, prefill: _Prefill) -> None:
         if prefill in self._prefilling:
@@ -398,15 +443,20 @@ class Batcher:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _execute(self, jobs: list[_Job], chunks: list[_Chunk]) -> list[tuple[bool, Any]]:
-        """Run one round on the worker thread: the closes, then one forward for the prefill
-        chunks, verify blocks and decode steps. Per job (ok, result or exception).
+    def _execute(self, round_: _Round) -> list[tuple[bool, Any]]:
+        """Run one round on the worker thread: the closes and the ended generations, then
+        the admissions, then one forward for the prefill chunks, verify blocks and decode
+        steps. Per job (ok, result or exception).
 
         Closes go first: an agent's next round, sent as its last one ended, often lands in
         the same round as that one's close, and its prefill adopts the closed session's
         cache only if the close has run (work of a closing session is moot: it fails)."""
+        jobs, chunks = round_.jobs, round_.chunks
+        for session in round_.ended:
+            session.end_generation()
         results: dict[int, tuple[bool, Any]] = {}
         live: list[int] = []
+        refused: set[int] = set()  # not admitted: another block or generation is under way
         for i, job in enumerate(jobs):
             if job.closes:
                 results[i] = _guard(self._close, job)
@@ -415,6 +465,15 @@ class Batcher:
                 continue
             if job.session.closed:
                 results[i] = (False, SessionClosed(job.session.session_id))
+                continue
+            try:
+                cached = _admit(job)
+            except WireError as exc:
+                results[i] = (False, exc)
+                refused.add(i)
+                continue
+            if cached is not None:  # a retransmitted block: the verdict it got
+                results[i] = (True, cached)
             else:
                 live.append(i)
         if self.threads is not None:  # set on this (the worker) thread, which runs forwards
@@ -434,9 +493,12 @@ class Batcher:
                     results.update({i: (False, exc) for i in live})
                     for chunk in chunks:
                         _resolve_threadsafe(chunk.prefill.job.future, exc)
+        for i, job in enumerate(jobs):  # a failed step ends its generation
+            if job.generates and not results[i][0] and i not in refused:
+                job.session.end_generation()
         return [results[i] for i in range(len(jobs))]
 
-    def _start_chunks(self, chunks: list[_Chunk]) -> list[tuple[PrefillChunk, Session]]:
+    def _start_chunks(self, chunks: list[_Chunk]) -> list[tuple[PrefillChunk, _Chunk]]:
         prefills = []
         for chunk in chunks:
             prefill, session = chunk.prefill, chunk.prefill.job.session
@@ -456,14 +518,12 @@ class Batcher:
                     chunk.start = reused
             if chunk.end > chunk.start:
                 tokens = session.confirmed[chunk.start : chunk.end]
-                prefills.append(
-                    (PrefillChunk(session.key, tokens, session.wants_features), session)
-                )
+                prefills.append((PrefillChunk(session.key, tokens, session.wants_features), chunk))
         return prefills
 
-    def _forward(self, jobs: list[_Job], starting: list[tuple[PrefillChunk, Session]]) -> list[Any]:
-        """The round's one target forward; per job its VerifyResult or decoded token (the
-        prefill chunks' features, where asked, go to their sessions)."""
+    def _forward(self, jobs: list[_Job], starting: list[tuple[PrefillChunk, _Chunk]]) -> list[Any]:
+        """The round's one target forward; per job its VerifyResult or Decoded token (the
+        prefill chunks' features, where asked, go back with their chunks)."""
         prefills = [chunk for chunk, _ in starting]
         scores: list[ScoreRequest] = []
         steps: list[StepRequest] = []
@@ -498,9 +558,8 @@ class Batcher:
             self.step_cost.observe(fed, elapsed_s, keys)
         kind = "verify" if verify_jobs else "decode" if steps or constrained else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
-        for (_, session), features in zip(starting, done.prefill_features, strict=True):
-            if features is not None:
-                session.prompt_features.append(features)
+        for (_, chunk), features in zip(starting, done.prefill_features, strict=True):
+            chunk.features = features
         values: dict[int, Any] = {}
         scored = done.score_logits[len(verify_jobs) :]
         for job, rows in zip(constrained, scored, strict=True):
@@ -519,8 +578,7 @@ class Batcher:
         if verify_jobs:
             self.metrics.verified_blocks.inc(len(verify_jobs))
         for job, token in zip(step_jobs, done.tokens, strict=True):
-            job.session.extend([token])
-            values[id(job)] = token
+            values[id(job)] = job.session.decoded(token)
         return [values[id(job)] for job in jobs]
 
     def _close(self, job: _Job) -> None:
@@ -553,6 +611,19 @@ def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
 def _resolve_threadsafe(future: asyncio.Future[Any], exc: BaseException) -> None:
     """Fail a prefill's future from the worker thread (on its event loop)."""
     future.get_loop().call_soon_threadsafe(_resolve, future, False, exc)
+
+
+def _admit(job: _Job) -> VerifyResult | None:
+    """A verify block's or a new generation's admission (on the model thread, before the
+    forward): None to run it, a retransmitted block's verdict, or the WireError."""
+    if job.block is not None:
+        return job.session.admit(job.block)
+    generation = job.generation
+    if generation is not None and not generation.admitted:
+        job.session.admit_generation(
+            generation.committed_tail, generation.max_tokens, generation.stop_ids
+        )
+    return None
 
 
 def _guard(run: Callable[[_Job], Any], job: _Job) -> tuple[bool, Any]:

@@ -18,7 +18,6 @@ import logging
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import WebSocket, WebSocketDisconnect
 
 from asymspec.constraint import ConstraintBuilder
@@ -31,12 +30,10 @@ from asymspec.wire import (
     CorrectionResponse,
     ErrorCode,
     ErrorFrame,
-    Features,
     GenerateRequest,
     GenerateTokens,
     Hello,
     HelloAck,
-    Logprobs,
     Message,
     OpenSession,
     SessionOpened,
@@ -266,18 +263,11 @@ class ChannelServer:
             )
         if not 0 < len(msg.prompt_tokens) <= self.settings.max_context_tokens:
             raise WireError(ErrorCode.MALFORMED, "prompt must have 1..max_context_tokens tokens")
-        session = Session(
-            session_id=msg.session_id,
-            owner=conn.id,
-            config=msg.sampling,
-            first_rung=Rung(msg.first_kind, msg.first_size),
-            confirmed=[int(t) for t in msg.prompt_tokens],
-            wants_features=msg.wants_features,
-        )
         if int(msg.prompt_tokens.max()) >= self.batcher.vocab_size:
             raise WireError(ErrorCode.MALFORMED, "prompt token id outside the vocabulary")
+        prompt = [int(t) for t in msg.prompt_tokens]
         try:
-            session.constraint = self.constraints.build(msg.sampling, session.confirmed)
+            constraint = self.constraints.build(msg.sampling, prompt)
         except GrammarError as exc:
             raise WireError(ErrorCode.UNSUPPORTED, f"cannot run the grammar: {exc}") from None
         if msg.wants_features and not self.batcher.target.provides_features:
@@ -286,9 +276,19 @@ class ChannelServer:
                 "this verifier's target engine returns no hidden states, so it cannot serve "
                 "a feature draft (use a token draft at the edge, or a Llama-family target)",
             )
+        # from here on the session is the batcher's: its state changes on the model thread
+        session = Session(
+            session_id=msg.session_id,
+            owner=conn.id,
+            config=msg.sampling,
+            first_rung=Rung(msg.first_kind, msg.first_size),
+            confirmed=prompt,
+            wants_features=msg.wants_features,
+            constraint=constraint,
+        )
         conn.sessions[msg.session_id] = session
         try:
-            await self.batcher.prefill(session)
+            features = await self.batcher.prefill(session)
         except BaseException:
             # A failed or abandoned prefill leaves no session behind, on either side.
             conn.sessions.pop(msg.session_id, None)
@@ -298,8 +298,8 @@ class ChannelServer:
         await conn.send(
             SessionOpened(
                 msg.session_id,
-                len(session.confirmed),
-                _prompt_h(session, self.batcher.target.hidden_size),
+                session.prompt_len,
+                None if features is None else features_to_wire(features),
                 self.batcher.target_cost(),
             )
         )
@@ -318,13 +318,11 @@ class ChannelServer:
 
     async def _verify(self, conn: _Connection, msg: VerifyBlock | VerifyBlockFull) -> None:
         session = self._session(conn, msg.block.session_id)
-        cached = session.admit(msg)
-        result = cached if cached is not None else await self.batcher.verify(session, msg)
-        await conn.send(result)
+        await conn.send(await self.batcher.verify(session, msg))
 
     async def _correct(self, conn: _Connection, msg: CorrectionRequest) -> None:
         session = self._session(conn, msg.block.session_id)
-        payload = session.correct(msg.block, Rung(msg.kind, msg.size), msg.rung)
+        payload = await self.batcher.correct(session, msg.block, Rung(msg.kind, msg.size), msg.rung)
         self.metrics.cloud_corrections.labels(kind=msg.kind.label).inc()
         await conn.send(CorrectionResponse(msg.block, payload))
 
@@ -333,41 +331,16 @@ class ChannelServer:
         (SPADE's Target baseline), or a speculative session while its edge has paused
         speculation."""
         session = self._session(conn, msg.session_id)
-        session.admit_generation(msg.committed_tail)
         stop = {int(t) for t in msg.stop_token_ids}
-        sent = 0
         # aclosing: a failed send ends the generation now, not when the generator is collected
         async with contextlib.aclosing(
-            self.batcher.generate(session, msg.max_tokens, stop)
-        ) as tokens:
-            async for token in tokens:
-                sent += 1
-                done = token in stop or sent == msg.max_tokens
-                logprobs = _logprobs(session) if session.config.logprobs is not None else None
-                ids = np.array([token], np.uint32)
-                frame = GenerateTokens(msg.session_id, ids, done, logprobs)
+            self.batcher.generate(session, msg.max_tokens, stop, msg.committed_tail)
+        ) as decoded_tokens:
+            async for decoded in decoded_tokens:
+                ids = np.array([decoded.token], np.uint32)
+                frame = GenerateTokens(msg.session_id, ids, decoded.last, decoded.logprobs)
                 await conn.send(frame)
-
-
-def _logprobs(session: Session) -> Logprobs:
-    """The log-probabilities of the token a frame carries (noted when it was sampled)."""
-    token, ids, values = session.logprobs.popleft()
-    return Logprobs(
-        np.array([token], np.float32),
-        ids.numpy().astype(np.uint32),
-        values.numpy().astype(np.float32),
-    )
 
 
 def _peer(ws: WebSocket) -> str:
     return f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
-
-
-def _prompt_h(session: Session, hidden_size: int) -> Features | None:
-    """The prompt's h for an edge that asked (then dropped here: the verdicts carry the rest)."""
-    if not session.wants_features:
-        return None
-    parts, session.prompt_features = session.prompt_features, []
-    if not parts:  # a one-token prompt: no position was fed
-        return np.zeros((0, hidden_size), dtype=np.uint16)
-    return features_to_wire(torch.cat(parts))

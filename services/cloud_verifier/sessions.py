@@ -9,12 +9,19 @@ target backend (owned by the batcher); this module owns the protocol state aroun
   verdict, anything stale gets a typed error and never a commit;
 - the verdict: acceptance left to right, the bonus token, or on a rejection the retained
   target row p of that position and the answers given from it (cached per rung, so a
-  retransmitted correction request replays the same random draws).
+  retransmitted correction request replays the same random draws);
+- the cloud's own decoding: how many tokens its generation has left, and what it reports
+  of each token.
+
+One owner: the channel builds a session and hands it to the batcher, and from then on
+every call that reads or changes its state (admission, the verdict, a correction, a
+decode step, the close) runs on the batcher's model thread, in the order the rounds run
+them, beside the KV cache the state mirrors. The event loop reads only what never changes
+after construction (ids, the sampling config, the prompt's length).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -34,6 +41,7 @@ from asymspec.sampling import (
 from asymspec.wire import (
     BlockId,
     ErrorCode,
+    Logprobs,
     Payload,
     SamplingConfig,
     TokenIds,
@@ -49,6 +57,15 @@ from asymspec_engine.feature_draft import features_to_wire
 AnyBlock: TypeAlias = VerifyBlock | VerifyBlockFull
 
 
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A token of the cloud's own decoding, as its frame carries it."""
+
+    token: int
+    logprobs: Logprobs | None  # where the session asked for them
+    last: bool  # the generation ends with it: a stop token, or its last
+
+
 @dataclass(slots=True)
 class Session:
     session_id: int
@@ -59,11 +76,8 @@ class Session:
     wants_features: bool = False  # the edge drafts from the target's h (a feature draft)
     # penalties and a grammar: the transform's rows read the tokens before them (None: not)
     constraint: Constraint | None = None
-    # what the cloud reports of each token it samples, when the session asked: (token's
-    # log-probability, top ids [k], top log-probabilities [k]), oldest first, taken by the
-    # frame that carries the token
-    logprobs: deque[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=deque)
     params: SamplingParams = field(init=False)
+    prompt_len: int = field(init=False)
     digest: int = field(init=False)
     rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
     generator: torch.Generator = field(init=False)  # target-only sampling
@@ -71,17 +85,18 @@ class Session:
     last_block: BlockId | None = None
     last_result: VerifyResult | None = None
     open_block: bool = False  # a block is being verified (confirmed-prefix invariant)
-    generating: bool = False  # the cloud decodes it alone (GenerateRequest) until it ends
+    # the cloud decodes it alone (GenerateRequest): tokens left, and the tokens that end it
+    generation_left: int = 0
+    generation_stops: frozenset[int] = frozenset()
     awaiting_recovery: bool = False  # rejected: the edge commits the recovered token
     retained_row: torch.Tensor | None = None  # [V] p at the rejected position
     answers: dict[int, Payload] = field(default_factory=dict)  # rung index -> answer
     closed: bool = False
-    # h of the prompt positions prefilled so far (chunk by chunk), for SessionOpened
-    prompt_features: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.config
         self.params = c.params
+        self.prompt_len = len(self.confirmed)
         self.digest = config_digest(c)
         self.rng = np.random.default_rng([c.seed, 1])
         self.generator = torch.Generator().manual_seed(c.seed % 2**63)
@@ -123,15 +138,24 @@ class Session:
         self.open_block = True
         return None
 
-    def admit_generation(self, committed_tail: TokenIds) -> None:
+    def admit_generation(
+        self, committed_tail: TokenIds, max_tokens: int, stop_ids: frozenset[int]
+    ) -> None:
         """The edge hands the session to the cloud's own decoding (target-only mode, or
-        speculation paused): no block or generation may be under way, and the edge's
-        recovered token, where one is awaited, comes with it. The batcher clears
-        ``generating`` when the generation ends."""
+        speculation paused) for up to ``max_tokens`` tokens: no block or generation may be
+        under way, and the edge's recovered token, where one is awaited, comes with it."""
         if self.open_block or self.generating:
             raise WireError(ErrorCode.DUPLICATE, "a block or a generation is under way")
         self.commit_recovered(self._tail(committed_tail))
-        self.generating = True
+        self.generation_left, self.generation_stops = max_tokens, stop_ids
+
+    @property
+    def generating(self) -> bool:
+        return self.generation_left > 0
+
+    def end_generation(self) -> None:
+        """The generation stops early: its requester went away, or its round failed."""
+        self.generation_left = 0
 
     def _tail(self, committed_tail: TokenIds) -> list[int]:
         """The recovered token a rejection left the edge to commit: exactly one if the
@@ -165,24 +189,36 @@ class Session:
         the row, or log-probabilities to report."""
         return self.constraint is not None or self.config.logprobs is not None
 
-    def decode_next(self, logits: torch.Tensor) -> int:
+    def decode_next(self, logits: torch.Tensor) -> Decoded:
         """The cloud decodes alone: sample the next token from the transformed row after
-        the confirmed prefix (logits [V]), confirm it, and note its log-probabilities if
-        the session asked. (Other sessions are sampled inside the target's step, from the
-        same transform.)"""
+        the confirmed prefix (logits [V]), confirm it, with its log-probabilities if the
+        session asked. (Other sessions are sampled inside the target's step, from the same
+        transform, and confirmed by ``decoded``.)"""
         if self.constraint is not None:
             row = self.constraint.rows(logits[None], [])[0]
         else:
             row = transform(logits[None], self.params)[0]
         token = sample(row, draw_uniform(self.generator))
-        self.extend([token])
+        logprobs = None
         if self.config.logprobs is not None:
             # raw: the target's own log-softmax, before the request's transform (vLLM's
             # default), as float32
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
-            top = torch.topk(logprobs, self.config.logprobs)
-            self.logprobs.append((float(logprobs[token]), top.indices, top.values))
-        return token
+            all_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+            top = torch.topk(all_logprobs, self.config.logprobs)
+            logprobs = Logprobs(
+                np.array([float(all_logprobs[token])], np.float32),
+                top.indices.numpy().astype(np.uint32),
+                top.values.numpy().astype(np.float32),
+            )
+        return self.decoded(token, logprobs)
+
+    def decoded(self, token: int, logprobs: Logprobs | None = None) -> Decoded:
+        """A token of the generation joins the confirmed prefix; the last one ends it."""
+        self.extend([token])
+        self.generation_left -= 1
+        if token in self.generation_stops:
+            self.generation_left = 0
+        return Decoded(token, logprobs, last=not self.generating)
 
     def pending_tokens(self, cached_len: int) -> list[int]:
         """Confirmed tokens the target's cache has not seen (>= 1 by the cache convention)."""

@@ -114,8 +114,9 @@ class RuntimeSettings(BaseSettings):
             session_tokens=self.session_tokens,
             prefix_reuse=self.prefix_reuse,
         )
+        # the engine this resolves to is logged with its reason when it loads
         log.info(
-            "%s model %s: engine %s, %d threads (torch engine: %s on %s)",
+            "%s model %s: engine setting %s, %d threads (%s on %s if the torch engine runs it)",
             self.role,
             name_or_path,
             self.engine,

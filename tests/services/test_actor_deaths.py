@@ -58,7 +58,7 @@ def test_a_dead_batcher_fails_queued_jobs_and_refuses_new_ones() -> None:
 
     session = greedy_cloud_session
 
-    async def run() -> tuple[str | None, BaseException | None]:
+    async def run() -> tuple[str | None, object]:
         batcher = Batcher(target, 8, 0.001, metrics)
 
         async def broken(wait: bool) -> list[object]:

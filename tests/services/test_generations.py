@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Collection
+from collections.abc import AsyncGenerator, Collection
 
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ from asymspec_engine.loading import session_lm
 from asymspec_engine.target import TargetModel
 from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
-from cloud_verifier.sessions import Session
+from cloud_verifier.sessions import Decoded, Session
 from loadtest.tiny_llama import build_tiny_llama
 from loadtest.tiny_models import RecordingTarget, greedy_cloud_session
 from tests.engine.conftest import full_logits
@@ -41,8 +41,9 @@ async def collect(
 ) -> list[int]:
     """The session's tokens; each one's send to the edge takes ``send_s`` (a slow socket)."""
     tokens = []
-    async for token in batcher.generate(session, n, stop):
-        tokens.append(token)
+    async for decoded in batcher.generate(session, n, stop):
+        tokens.append(decoded.token)
+        assert decoded.last == (len(tokens) == n or decoded.token in stop)
         await asyncio.sleep(send_s)
     return tokens
 
@@ -153,8 +154,8 @@ def test_a_dead_batcher_fails_its_generations() -> None:
         await batcher.prefill(session)
         got: list[int] = []
         with pytest.raises(ActorDied):
-            async for token in batcher.generate(session, 10):
-                got.append(token)
+            async for decoded in batcher.generate(session, 10):
+                got.append(decoded.token)
         await batcher.stop()
         return got
 
@@ -172,8 +173,8 @@ def test_closing_its_session_ends_a_generation_quietly() -> None:
         batcher.start()
         await batcher.prefill(session)
         got: list[int] = []
-        async for token in batcher.generate(session, 100):
-            got.append(token)
+        async for decoded in batcher.generate(session, 100):
+            got.append(decoded.token)
             if len(got) == 2:
                 await batcher.close(session)
         error = None
@@ -218,30 +219,31 @@ def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
     def argmax(chain: list[int]) -> int:
         return int(full_logits(model, chain)[-1].argmax())
 
+    async def first_of(generation: AsyncGenerator[Decoded, None]) -> Decoded:
+        return await anext(generation)
+
     async def run() -> tuple[int, list[int], int]:
         batcher.start()
         await batcher.prefill(session)
         wrong = (argmax(session.confirmed) + 1) % target.vocab_size
         first = block_of(session, 1, [wrong], [])
-        assert session.admit(first) is None
         rejected = await batcher.verify(session, first)
         recovered = argmax(session.confirmed)  # what the edge recovers (greedy p)
         with pytest.raises(WireError) as no_tail:
-            session.admit_generation(np.zeros(0, dtype=np.uint32))
+            await first_of(batcher.generate(session, 4))
         assert no_tail.value.code is ErrorCode.STALE_BLOCK
-        session.admit_generation(np.asarray([recovered], dtype=np.uint32))
+        generation = batcher.generate(session, 8, (), np.asarray([recovered], dtype=np.uint32))
+        decoded = [(await first_of(generation)).token]
         with pytest.raises(WireError) as during:  # no block while the cloud decodes it
-            session.admit(block_of(session, 2, [1], []))
+            await batcher.verify(session, block_of(session, 2, [1], []))
         assert during.value.code is ErrorCode.STALE_BLOCK
         with pytest.raises(WireError) as twice:
-            session.admit_generation(np.zeros(0, dtype=np.uint32))
+            await first_of(batcher.generate(session, 4))
         assert twice.value.code is ErrorCode.DUPLICATE
-        decoded = await collect(batcher, session, 4)
-        assert not session.generating
+        decoded += [d.token async for d in generation]
+        assert len(decoded) == 8 and not session.generating
         right = argmax(session.confirmed)
-        block = block_of(session, 2, [right], [])
-        assert session.admit(block) is None
-        accepted = await batcher.verify(session, block)
+        accepted = await batcher.verify(session, block_of(session, 2, [right], []))
         await batcher.stop()
         return rejected.n_accepted, [recovered, *decoded], accepted.n_accepted
 

@@ -13,17 +13,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 import cloud_verifier.app as cloud_app
 import edge_gateway.app as edge_app
+from asymspec.correction import Rung
 from asymspec.model_thread import ModelThread
+from asymspec.wire import BlockId, CorrectionKind, VerifyBlock
+from cloud_verifier.batcher import Batcher
 from cloud_verifier.metrics import CloudMetrics
+from cloud_verifier.sessions import Session
 from cloud_verifier.settings import CloudSettings
 from edge_gateway.metrics import EdgeMetrics
 from edge_gateway.settings import EdgeSettings
-from loadtest.tiny_models import greedy_cloud_session, save_tiny_pair
+from loadtest.tiny_models import RecordingTarget, greedy_cloud_session, save_tiny_pair
+from tests.engine.conftest import full_logits
 
 
 def _noting_thread(load: Callable[..., Any], seen: list[int]) -> Callable[..., Any]:
@@ -97,3 +103,89 @@ def test_the_edge_drafts_on_the_thread_that_loaded_its_draft(
 
     loaded, drafted = asyncio.run(run())
     assert loaded == drafted != threading.get_ident()
+
+
+class _NotingSession(Session):
+    """A cloud session that notes the thread of every call that reads or changes its
+    state."""
+
+    calls: list[tuple[str, int]]
+
+    def admit(self, msg: Any) -> Any:
+        self.calls.append(("admit", threading.get_ident()))
+        return super().admit(msg)
+
+    def admit_generation(self, *args: Any) -> None:
+        self.calls.append(("admit_generation", threading.get_ident()))
+        super().admit_generation(*args)
+
+    def decide(self, *args: Any) -> Any:
+        self.calls.append(("decide", threading.get_ident()))
+        return super().decide(*args)
+
+    def correct(self, *args: Any) -> Any:
+        self.calls.append(("correct", threading.get_ident()))
+        return super().correct(*args)
+
+    def decoded(self, *args: Any) -> Any:
+        self.calls.append(("decoded", threading.get_ident()))
+        return super().decoded(*args)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.calls.append(("extend", threading.get_ident()))
+        super().extend(tokens)
+
+    def end_generation(self) -> None:
+        self.calls.append(("end_generation", threading.get_ident()))
+        super().end_generation()
+
+
+def test_a_cloud_sessions_state_changes_only_on_the_model_thread() -> None:
+    """A request's whole walk through the batcher (a rejected block, an escalation, the
+    next block with the recovered token, a handed-over generation, one abandoned): every
+    admission, verdict, correction and decode step runs on the model thread."""
+    target = RecordingTarget()
+    batcher = Batcher(target, 8, 0.0, CloudMetrics.create(CollectorRegistry()))
+    template = greedy_cloud_session(1)
+    session = _NotingSession(
+        session_id=1,
+        owner=1,
+        config=template.config,
+        first_rung=template.first_rung,
+        confirmed=[4, 8, 15],
+    )
+    session.calls = []
+
+    def block(seq: int, drafts: list[int], tail: list[int]) -> VerifyBlock:
+        return VerifyBlock(
+            BlockId(1, seq, len(session.confirmed) + len(tail), session.digest),
+            np.asarray(drafts, dtype=np.uint32),
+            np.ones(len(drafts), dtype=np.float32),
+            np.asarray(tail, dtype=np.uint32),
+        )
+
+    async def run() -> int:
+        batcher.start()
+        await batcher.prefill(session)
+        greedy = int(full_logits(target.lm.model, session.confirmed)[-1].argmax())  # type: ignore[attr-defined]
+        rejected = await batcher.verify(session, block(1, [(greedy + 1) % target.vocab_size], []))
+        assert rejected.correction is not None and rejected.next_token is None
+        await batcher.correct(session, rejected.block, Rung(CorrectionKind.TOPK, 16), 1)
+        tail = [int(rejected.correction.token_ids[0])]  # type: ignore[union-attr]
+        accepted = await batcher.verify(session, block(2, [greedy], tail))
+        assert accepted.next_token is not None
+        tokens = [d.token async for d in batcher.generate(session, 3)]
+        assert len(tokens) == 3
+        async for _ in batcher.generate(session, 50):
+            break  # its consumer goes away: the next round ends it in the session
+        while session.generating:
+            await asyncio.sleep(0.01)
+        model_thread = await batcher.model_thread.run(threading.get_ident)
+        await batcher.stop()
+        return model_thread
+
+    model_thread = asyncio.run(run())
+    names = {name for name, _ in session.calls}
+    assert {"admit", "decide", "correct", "admit_generation", "decoded", "end_generation"} <= names
+    off_thread = [name for name, ident in session.calls if ident != model_thread]
+    assert not off_thread and model_thread != threading.get_ident()

@@ -190,7 +190,6 @@ def test_a_session_between_blocks_keeps_the_long_prompt_in_small_chunks() -> Non
                 np.ones(1, dtype=np.float32),
                 np.asarray(tail, dtype=np.uint32),
             )
-            assert verifying.admit(block) is None  # as the channel does
             result = await batcher.verify(verifying, block)
             recovered = result.correction is not None and result.next_token is None
             tail = [int(result.correction.token_ids[0])] if recovered else []  # type: ignore[union-attr]
