@@ -136,7 +136,7 @@ def summary(rows: list[dict[str, Any]], servers: list[str], levels: list[int]) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--rounds", type=int, default=2, help="each server this many times")
+    parser.add_argument("--rounds", type=int, default=3, help="each server this many times")
     parser.add_argument("--requests-per-slot", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
