@@ -33,12 +33,16 @@ from asymspec_engine.prepare import gguf_path
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX_TOKENS = 300
-# a decode step and verifies of γ = 1, 2 and 4 for one session, then for sixteen
+# a decode step and verifies of γ = 1, 2 and 4 for one session, suffix blocks of 8, 16 and
+# 32 tokens, then decode steps and γ = 4 verifies for sixteen
 SHAPES = {
     "1 x 1": (1, 1),
     "1 x 2": (1, 2),
     "1 x 3": (1, 3),
     "1 x 5": (1, 5),
+    "1 x 9": (1, 9),
+    "1 x 17": (1, 17),
+    "1 x 33": (1, 33),
     "16 x 1": (16, 1),
     "16 x 5": (16, 5),
 }
