@@ -9,10 +9,12 @@ For each variant it starts ``scripts/run_local.sh`` as ``make run`` does (``make
 replays held-out agent conversations (``loadtest.conversations``) round by round, the
 model's own answers going into the history, ``C`` conversations at a time, and reports
 completion tokens per second of wall time, mean accepted tokens per block, the share of
-blocks the suffix drafter made, and TTFT per round. ``--chat`` adds single-turn chat (the
-everyday chat prompts) where nothing repeats. Greedy answers are kept, so that variants
-can be compared token for token (``greedy_identical``); ``--dtype float32`` runs both
-services in float32, where greedy speculation must equal target-only exactly.
+blocks the suffix drafter made, and TTFT per round. ``--workloads chat`` sends single-turn
+chat (the everyday chat prompts) where nothing repeats, on stacks that have served nothing
+else (each edge's acceptance estimates carry over from one workload to the next). Greedy
+answers are kept, so that variants can be compared token for token (``greedy_identical``);
+``--dtype float32`` runs both services in float32, where greedy speculation must equal
+target-only exactly.
 Results: ``results.json`` (rows and the greedy answers) and ``results.md``.
 """
 
@@ -251,7 +253,13 @@ def main() -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--per-kind", type=int, default=2, help="held-out conversations a kind")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--chat", action="store_true", help="also single-turn chat")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["agent"],
+        choices=["agent", "chat"],
+        help="agent: held-out conversations; chat: single-turn everyday chat",
+    )
     parser.add_argument("--chat-prompts", type=int, default=8, help="chat prompts (of 8)")
     parser.add_argument(
         "--reply-timeout-s",
@@ -268,9 +276,11 @@ def main() -> int:
         os.environ["ASYMSPEC_CLOUD_DTYPE"] = os.environ["ASYMSPEC_EDGE_DTYPE"] = args.dtype
     if args.reply_timeout_s:
         os.environ["ASYMSPEC_EDGE_CLOUD_REPLY_TIMEOUT_S"] = str(args.reply_timeout_s)
-    workloads = {"agent": agent_conversations("heldout", args.per_kind)}
-    if args.chat:
-        workloads["chat"] = chat_conversations()[: args.chat_prompts]
+    available = {
+        "agent": lambda: agent_conversations("heldout", args.per_kind),
+        "chat": lambda: chat_conversations()[: args.chat_prompts],
+    }
+    workloads = {name: available[name]() for name in args.workloads}
     rows: list[dict[str, Any]] = []
     answers: dict[str, Any] = {}
     stacks = {
