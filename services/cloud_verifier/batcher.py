@@ -456,7 +456,6 @@ class Batcher:
             session.end_generation()
         results: dict[int, tuple[bool, Any]] = {}
         live: list[int] = []
-        refused: set[int] = set()  # not admitted: another block or generation is under way
         for i, job in enumerate(jobs):
             if job.closes:
                 results[i] = _guard(self._close, job)
@@ -470,7 +469,6 @@ class Batcher:
                 cached = _admit(job)
             except WireError as exc:
                 results[i] = (False, exc)
-                refused.add(i)
                 continue
             if cached is not None:  # a retransmitted block: the verdict it got
                 results[i] = (True, cached)
@@ -493,9 +491,9 @@ class Batcher:
                     results.update({i: (False, exc) for i in live})
                     for chunk in chunks:
                         _resolve_threadsafe(chunk.prefill.job.future, exc)
-        for i, job in enumerate(jobs):  # a failed step ends its generation
-            if job.generates and not results[i][0] and i not in refused:
-                job.session.end_generation()
+        for i in live:  # an admitted generation whose step failed ends
+            if jobs[i].generates and not results[i][0]:
+                jobs[i].session.end_generation()
         return [results[i] for i in range(len(jobs))]
 
     def _start_chunks(self, chunks: list[_Chunk]) -> list[tuple[PrefillChunk, _Chunk]]:
