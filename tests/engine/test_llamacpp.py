@@ -250,6 +250,41 @@ def test_a_full_engine_still_hands_a_kept_prefix_to_its_next_round(
     assert (last - full_logits(reference, second_round)[-1]).abs().max() <= TOLERANCE
 
 
+def test_a_chat_that_shares_only_an_opening_copies_it_and_leaves_the_closed_cache_whole(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    """Two chats that open alike (a chat template, a system prompt) but go on differently:
+    the second starts from a copy of the first one's opening, while a stream is free, and
+    the first conversation's next round still finds all of its own cache."""
+    lm = _engine(tiny_gguf, max_sessions=4)
+    opening = _tokens(60, 20)
+    first_chat = [*opening, *_tokens(61, 60)]
+    lm.open("chat1", first_chat)
+    lm.close("chat1")
+    second_chat = [*opening, *_tokens(62, 10)]
+    last = lm.open("chat2", second_chat)
+    assert lm.reused_tokens == 20  # the opening, copied
+    assert last is not None
+    assert (last - full_logits(reference, second_chat)[-1]).abs().max() <= TOLERANCE
+    assert lm.length("chat2") == 30
+    next_round = [*first_chat, *lm_tokens_after(first_chat)]
+    last = lm.open("chat1-round2", next_round)
+    assert lm.reused_tokens == 20 + 80  # the whole first chat: its stream was left alone
+    assert last is not None
+    assert (last - full_logits(reference, next_round)[-1]).abs().max() <= TOLERANCE
+
+
+def test_a_long_closed_session_is_not_copied_for_a_short_opening(tiny_gguf: Path) -> None:
+    """Copying takes the closed session's whole state: for a short shared opening of a
+    long conversation, prefilling the opening costs less."""
+    lm = _engine(tiny_gguf, max_sessions=4)
+    opening = _tokens(70, 16)
+    lm.open("long", [*opening, *_tokens(71, 600)])
+    lm.close("long")
+    lm.open("chat", [*opening, *_tokens(72, 10)])
+    assert lm.reused_tokens == 0 and lm.length("chat") == 26
+
+
 def test_without_prefix_reuse_a_closed_session_keeps_nothing(tiny_gguf: Path) -> None:
     lm = _engine(tiny_gguf, max_sessions=2, prefix_reuse=False)
     first_round = _tokens(50, 30)
