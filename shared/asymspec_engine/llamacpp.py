@@ -20,8 +20,10 @@ engine is a thin owner of one llama.cpp context and nothing of the forward itsel
   least recently closed given up first), and a new session in the same scope whose tokens
   begin with at least ``MIN_REUSE_TOKENS`` of its tokens takes that stream over, rolled back
   to the common prefix: an agent's next round, which resends the whole conversation, is
-  prefilled from where the last round's context ends. Exact: the cells hold the keys and
-  values of exactly those tokens at those positions.
+  prefilled from where the last round's context ends. A new chat that shares only its
+  opening (the chat template, a system prompt) with a closed one gets a copy of those
+  cells in a free stream instead. Exact: the cells hold the keys and values of exactly
+  those tokens at those positions.
 
 Sampling never happens here: the float32 rows go to the project's own sampling code
 (acceptance, recovery and the transforms must see exactly the rows both sides use).
