@@ -3,12 +3,16 @@
     .venv/bin/python -m loadtest.forward_cost [--threads 2] [--repeats 7]
         [--out loadtest/results/forward-cost]
 
-Engines on the embedded target: llama.cpp on the prepared Q8_0 file and on the shipped Q4_1
-file, and the torch engine in float32 (the exact reference). Shapes: one session's decode
+Engines on the embedded target: llama.cpp on the prepared Q8_0 file (the engine's default), on
+a Q4_0 file made from the same source, and on the shipped Q4_1 file, and the torch engine in
+float32 (the exact reference). Shapes: one session's decode
 step (1 x 1), sixteen sessions' decode steps (16 x 1), sixteen γ = 4 verify blocks (16 x 5)
 over 300-token prefixes, and a 1,024-token prefill. Each figure is the median of
 ``--repeats`` forwards (rolled back between them); engines take turns per shape, because
-machines here are noisy. Results: ``results.json`` and ``results.md``.
+machines here are noisy. Beside the cost, each engine's fidelity to the float32 reference:
+over every position of the everyday chat prompts (chat template applied), the mean total
+variation of its next-token distribution from the reference's and how often its most
+likely next token is the reference's. Results: ``results.json`` and ``results.md``.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from asymspec_engine.embedded import EMBEDDED_TARGET
 from asymspec_engine.engine import SessionLM
+from asymspec_engine.gguf_export import quantize
 from asymspec_engine.hardware import machine_facts
 from asymspec_engine.llama import LlamaEngine
 from asymspec_engine.llamacpp import ENGINE_GGUF, LlamaCppEngine
 from asymspec_engine.loading import load_causal_lm, resolve_model
 from asymspec_engine.prepare import gguf_path
+from loadtest.prompts import chat_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX_TOKENS = 300
@@ -47,6 +54,7 @@ SHAPES = {
     "16 x 5": (16, 5),
 }
 PREFILL_TOKENS = 1024
+REFERENCE = "torch float32"
 
 
 def engines(threads: int) -> dict[str, Callable[[], SessionLM]]:
@@ -57,10 +65,17 @@ def engines(threads: int) -> dict[str, Callable[[], SessionLM]]:
         model, _ = load_causal_lm(EMBEDDED_TARGET, "cpu", torch.float32)
         return LlamaEngine(model)
 
+    def q4_0_engine() -> SessionLM:
+        q4_0 = folder.parent / f".{folder.name}.q4_0.gguf"
+        if not q4_0.is_file():
+            quantize(gguf_path(), q4_0, "q4_0")
+        return LlamaCppEngine(q4_0, threads, max_sessions=17)
+
     return {
         "llama.cpp Q8_0": lambda: LlamaCppEngine(folder / ENGINE_GGUF, threads, max_sessions=17),
+        "llama.cpp Q4_0": q4_0_engine,
         "llama.cpp Q4_1": lambda: LlamaCppEngine(gguf_path(), threads, max_sessions=17),
-        "torch float32": torch_engine,
+        REFERENCE: torch_engine,
     }
 
 
@@ -90,6 +105,43 @@ def prefill_rate(lm: SessionLM, repeats: int) -> float:
     return PREFILL_TOKENS / statistics.median(seconds)
 
 
+def fidelity(loaded: dict[str, SessionLM], reference: str) -> list[dict[str, Any]]:
+    """Per engine: mean total variation from ``reference``'s next-token distributions and
+    the share of positions where both rank the same token first (teacher-forced prompts)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_TARGET))
+    prompts = [
+        tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+        for chat in chat_prompts()
+    ]
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in loaded}
+    for encoded in prompts:
+        ids = list(encoded["input_ids"])
+        for name, lm in loaded.items():
+            lm.open("fidelity", ids[:1])
+            (logits,) = lm.forward_new([("fidelity", ids[1:])], keep_rows=[len(ids) - 1])
+            lm.close("fidelity")
+            rows[name].append(logits.float())
+    expected = torch.cat(rows[reference])
+    p_expected = torch.softmax(expected, -1)
+    out = []
+    for name in loaded:
+        if name == reference:
+            continue
+        got = torch.cat(rows[name])
+        tv = 0.5 * (torch.softmax(got, -1) - p_expected).abs().sum(-1)
+        same_first = (got.argmax(-1) == expected.argmax(-1)).float().mean()
+        out.append(
+            {
+                "engine": name,
+                "shape": "fidelity",
+                "mean_tv": round(float(tv.mean()), 4),
+                "same_first_token": round(float(same_first), 4),
+                "positions": len(tv),
+            }
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -110,6 +162,7 @@ def main() -> int:
     for name, lm in loaded.items():
         rows.append({"engine": name, "shape": "prefill", "tok_s": round(prefill_rate(lm, 4))})
         print(json.dumps(rows[-1]), flush=True)
+    rows += fidelity(loaded, REFERENCE)
     names = list(loaded)
     lines = ["| forward | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for shape in [*SHAPES, "prefill"]:
@@ -122,6 +175,13 @@ def main() -> int:
             if shape != "prefill"
             else (f"prefill of {PREFILL_TOKENS} tokens")
         )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    close = {r["engine"]: r for r in rows if r["shape"] == "fidelity"}
+    for label, key in (
+        ("mean TV from float32", "mean_tv"),
+        ("same next token", "same_first_token"),
+    ):
+        cells = [str(close[name][key]) if name in close else "reference" for name in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     facts = {**machine_facts(), "threads": args.threads}
     command = f".venv/bin/python -m loadtest.forward_cost --threads {args.threads}"

@@ -54,8 +54,12 @@ from asymspec_engine.engine import NewTokens
 
 log = logging.getLogger("asymspec.engine")
 
-# The file a prepared model folder holds for this engine, and its quantisation: Q8_0 was the
-# fastest at 16 sessions and within a rounding of the embedded target's Q4_1 weights.
+# The file a prepared model folder holds for this engine, and its quantisation: Q8_0 keeps
+# the embedded target's Q4_1 weights but for one rounding. Q4_0 runs llama.cpp's repacked CPU
+# kernels and was faster at every shape (1.2x a decode step, 1.7x a 2-row verify, 1.6x a
+# prefill on an AVX-512 EPYC), but as a second 4-bit rounding it is another model: its next
+# token agreed with the float32 reference's at 72 % of positions, Q8_0's at 99 %
+# (loadtest/results/forward-cost/). A GGUF of the user's own choosing runs as it is.
 ENGINE_QUANT = "q8_0"
 ENGINE_GGUF = f"model.{ENGINE_QUANT}.gguf"
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids per context
