@@ -31,7 +31,7 @@ import httpx
 
 from asymspec_engine.embedded import EMBEDDED_TARGET
 from asymspec_engine.hardware import machine_facts
-from asymspec_engine.llamacpp import ENGINE_GGUF
+from asymspec_engine.llamacpp import ENGINE_GGUF, ENGINE_QUANT
 from asymspec_engine.loading import resolve_model
 from loadtest.prompts import chat_prompts, code_as_chat, humaneval_prompts
 from loadtest.server_process import ServerProcess, stream_chat
@@ -153,7 +153,7 @@ def main() -> int:
     facts = {
         **machine_facts(),
         "engine": "llama.cpp",
-        "gguf": f"{target_gguf().name} (Q8_0, the embedded target)",
+        "gguf": f"{target_gguf().name} ({ENGINE_QUANT.upper()}, the embedded target)",
         "llama_server": f"-np {SLOTS}, default threads ({os.cpu_count()})",
         "make_run_threads": "colocated: cloud 1 (every core while it decodes alone), edge 1",
     }

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from asymspec.links import get_profile
 from asymspec_engine.hardware import machine_facts, resolve_dtype
+from asymspec_engine.loading import choose_engine
 from loadtest.bench.cell import CellFailed, CellPlan, run_cell, service_torch_threads
 from loadtest.bench.config import BenchConfig, ModelPair, prepare_pair
 from loadtest.bench.plots import write_plots
@@ -46,12 +47,26 @@ def environment() -> dict[str, Any]:
         "cpu_model": facts["cpu_model"],
         "cpu_bf16_flags": facts["cpu_bf16_flags"],
         # what every cell's services run with (cell.py): their torch threads, each pinned
-        # to a core, and the dtype "auto" resolves to on this CPU
+        # to a core (the engines' threads), and the dtype "auto" resolves to on this CPU
+        # where a model runs on the torch engine (``engines``: which one each model runs on)
         "service_torch_threads": service_torch_threads(),
         "service_dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch."),
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def engines(pair: ModelPair) -> dict[str, str]:
+    """The engine each service picks for its model on this machine (``auto``, or the
+    environment's ASYMSPEC_*_ENGINE), with its GGUF file where llama.cpp runs it."""
+    chosen = {}
+    for role, model, variable in (
+        ("cloud", pair.target, "ASYMSPEC_CLOUD_ENGINE"),
+        ("edge", pair.draft, "ASYMSPEC_EDGE_ENGINE"),
+    ):
+        choice = choose_engine(os.environ.get(variable, "auto"), model, "cpu")
+        chosen[role] = choice.name + (f" ({choice.gguf.name})" if choice.gguf else "")
+    return chosen
 
 
 def driver_spec(config: BenchConfig) -> dict[str, Any]:
@@ -115,6 +130,7 @@ class Run:
         for folder in (self.logs, self.raw):
             folder.mkdir(parents=True, exist_ok=True)
         pair = prepare_pair(self.config.models, self.out)
+        self.env["engines"] = engines(pair)
         cfg = self.config
         cells = [(p, m) for p in cfg.profiles for m in cfg.modes]
         spec = driver_spec(cfg)
