@@ -4,8 +4,8 @@ then uvicorn.
 Both services start the same way (`python -m edge_gateway`, `python -m cloud_verifier`).
 uvicorn closes idle keep-alive connections but waits forever for a request's head, so a
 client trickling header bytes (slowloris) holds a connection for good: the HTTP protocol
-here (uvicorn's httptools one) closes a connection whose request head is not complete
-`header_timeout_s` after the connection opened or after its previous response.
+here closes a connection whose request head is not complete `header_timeout_s` after the
+connection opened or after its previous response.
 
 TLS is uvicorn's own (the settings' `tls_options`). uvicorn does not tell the app who the
 TLS peer is, so the WebSocket protocol here adds the verified client certificate's subject
@@ -21,8 +21,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
+import h11
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
 
@@ -38,33 +39,26 @@ class ServiceSettings(Protocol):
         ...
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol (llhttp, in C) with a deadline on each request's head.
-    Not h11's: every SSE event of a streamed response goes through the protocol's ``send``,
-    on the cores the forward runs on, and h11's is pure Python. `make run` in target-only
-    mode on 2 cores, four alternating runs each (a noisy machine): one chat at a time 108
-    tok/s on average against 102 with h11, sixteen at a time 302 against 283."""
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's head."""
 
     def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
-        self._awaiting_head = True
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
-    def on_headers_complete(self) -> None:
-        self._awaiting_head = False  # the head arrived (or it upgrades)
-        self._disarm()
-        super().on_headers_complete()
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the head arrived (or it upgraded)
+            self._disarm()
 
     def on_response_complete(self) -> None:
-        pipelined = bool(self.pipeline)  # a next request whose head is already in
         super().on_response_complete()
-        if not pipelined and not self.transport.is_closing():
-            self._arm()  # the next request on this connection has the same deadline
+        self._arm()  # the next request on this connection has the same deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -72,7 +66,6 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._awaiting_head = True
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:
@@ -82,7 +75,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self._awaiting_head and not self.transport.is_closing():
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.logger.info("closing a connection: no request head in %s s", self.header_timeout_s)
             self.transport.close()
 
