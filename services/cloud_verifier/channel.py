@@ -63,6 +63,8 @@ class _Connection:
         self.credentials: Credentials | None = None
         self.identity = "?"  # until the Hello is admitted
         self.sessions: dict[int, Session] = {}
+        # sessions whose prompt is being prefilled: True once it is in, False if it failed
+        self.opening: dict[int, asyncio.Future[bool]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
 
@@ -287,13 +289,19 @@ class ChannelServer:
             constraint=constraint,
         )
         conn.sessions[msg.session_id] = session
+        opened = conn.opening[msg.session_id] = asyncio.get_running_loop().create_future()
         try:
             features = await self.batcher.prefill(session)
         except BaseException:
             # A failed or abandoned prefill leaves no session behind, on either side.
+            opened.set_result(False)
             conn.sessions.pop(msg.session_id, None)
             await asyncio.shield(self.batcher.close(session))
             raise
+        else:
+            opened.set_result(True)
+        finally:
+            conn.opening.pop(msg.session_id, None)
         self.metrics.edge_sessions_opened.labels(edge=conn.identity).inc()
         await conn.send(
             SessionOpened(
@@ -329,7 +337,12 @@ class ChannelServer:
     async def _generate(self, conn: _Connection, msg: GenerateRequest) -> None:
         """The cloud decodes the session alone, one token per frame: target-only mode
         (SPADE's Target baseline), or a speculative session while its edge has paused
-        speculation."""
+        speculation. An edge may send it right behind the session's open (target-only: the
+        first token then costs one trip to the cloud and back, not two): it starts once the
+        prompt is in."""
+        opening = conn.opening.get(msg.session_id)
+        if opening is not None and not await asyncio.shield(opening):
+            raise WireError(ErrorCode.UNKNOWN_SESSION, f"session {msg.session_id} did not open")
         session = self._session(conn, msg.session_id)
         stop = {int(t) for t in msg.stop_token_ids}
         # aclosing: a failed send ends the generation now, not when the generator is collected

@@ -174,8 +174,10 @@ class CloudChannel:
 
     # ------------------------------------------------------------------ requests
 
-    async def open_session(self, msg: OpenSession) -> SessionOpened:
-        reply: SessionOpened = await self._request(("open", msg.session_id), msg)
+    async def open_session(self, msg: OpenSession, then: Message | None = None) -> SessionOpened:
+        """Open a session; ``then``: a frame sent right behind the open, before its reply (a
+        generation, which the cloud starts once the prompt is in)."""
+        reply: SessionOpened = await self._request(("open", msg.session_id), msg, then)
         return reply
 
     async def verify(self, msg: VerifyBlock | VerifyBlockFull) -> VerifyResult:
@@ -204,13 +206,15 @@ class CloudChannel:
             raise ChannelDown("the cloud connection closed") from exc
         self._count("uplink", type(msg).__name__, len(frame), _frame_session(msg))
 
-    async def _request(self, key: Hashable, msg: Message) -> Any:
+    async def _request(self, key: Hashable, msg: Message, then: Message | None = None) -> Any:
         if key in self._waiters:
             raise RuntimeError(f"a request for {key} is already in flight")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiters[key] = future
         try:
             await self.send(msg)
+            if then is not None:
+                await self.send(then)
             return await asyncio.wait_for(future, self.reply_timeout_s)
         except TimeoutError:
             raise ReplyTimeout(

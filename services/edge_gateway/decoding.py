@@ -753,9 +753,11 @@ class TargetOnlyEngine:
             return  # it had all been streamed when the replica was lost
         queue = channel.stream(session_id)
         prompt = np.asarray([*request.prompt_ids, *produced], dtype=np.uint32)
-        await channel.open_session(OpenSession(session_id, prompt, config))
         remaining = request.max_new_tokens - len(produced)
-        await channel.send(GenerateRequest(session_id, remaining, stop, _NO_TAIL))
+        # The generation goes right behind the open: the cloud starts it once the prompt is
+        # in, so the first token costs one trip to the cloud and back, not two.
+        generate = GenerateRequest(session_id, remaining, stop, _NO_TAIL)
+        await channel.open_session(OpenSession(session_id, prompt, config), then=generate)
         async for frame in _generated(channel, queue):
             _note_logprobs(request, frame)
             yield [int(t) for t in frame.tokens]

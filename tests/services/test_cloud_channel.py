@@ -28,6 +28,8 @@ from asymspec.wire import (
     CorrectionKind,
     CorrectionRequest,
     ErrorCode,
+    GenerateRequest,
+    GenerateTokens,
     OpenSession,
     SamplingConfig,
     SessionOpened,
@@ -283,6 +285,43 @@ def test_two_edges_may_use_the_same_session_ids(cloud: Service, greedy_chain: li
     one, two = with_channel(cloud, body)
     assert one.n_accepted == 4 and one.next_token == greedy_chain[4]
     assert two.n_accepted == 3 and two.next_token == greedy_chain[3]
+
+
+def test_a_generation_sent_behind_its_open_starts_once_the_prompt_is_in(
+    cloud: Service, greedy_chain: list[int]
+) -> None:
+    """Target-only's first token in one trip: the generation goes right behind the open,
+    and the cloud decodes the target's own greedy chain once the prompt is in. Behind an
+    open the cloud refuses, the generation fails too, and no session stays open."""
+    none = np.zeros(0, dtype=np.uint32)
+
+    async def body(channel: CloudChannel) -> list[int]:
+        stream = channel.stream(40)
+        prompt = np.asarray(PROMPT, dtype=np.uint32)
+        opened = await channel.open_session(
+            OpenSession(40, prompt, GREEDY, CorrectionKind.TOPK, 4),
+            then=GenerateRequest(40, 8, none, none),
+        )
+        assert opened.prefix_len == len(PROMPT)
+        tokens: list[int] = []
+        while len(tokens) < 8:
+            frame = await asyncio.wait_for(stream.get(), 30)
+            assert isinstance(frame, GenerateTokens), frame
+            tokens += [int(t) for t in frame.tokens]
+
+        before = metric(cloud, "asymspec_cloud_sessions")  # session 40 is still open
+        refused = channel.stream(41)
+        bad = np.asarray([5, 17, 10**6], dtype=np.uint32)
+        with pytest.raises(CloudError):
+            await channel.open_session(
+                OpenSession(41, bad, GREEDY, CorrectionKind.TOPK, 4),
+                then=GenerateRequest(41, 4, none, none),
+            )
+        assert isinstance(await asyncio.wait_for(refused.get(), 30), CloudError)
+        assert metric(cloud, "asymspec_cloud_sessions") == before
+        return tokens
+
+    assert with_channel(cloud, body) == greedy_chain[:8]
 
 
 def test_out_of_vocabulary_prompt_is_refused_and_not_counted(cloud: Service) -> None:
