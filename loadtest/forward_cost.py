@@ -176,12 +176,12 @@ def main() -> int:
             else (f"prefill of {PREFILL_TOKENS} tokens")
         )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    close = {r["engine"]: r for r in rows if r["shape"] == "fidelity"}
+    fidelities = {r["engine"]: r for r in rows if r["shape"] == "fidelity"}
     for label, key in (
         ("mean TV from float32", "mean_tv"),
         ("same next token", "same_first_token"),
     ):
-        cells = [str(close[name][key]) if name in close else "reference" for name in names]
+        cells = [str(fidelities[n][key]) if n in fidelities else "reference" for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     facts = {**machine_facts(), "threads": args.threads}
     command = f".venv/bin/python -m loadtest.forward_cost --threads {args.threads}"

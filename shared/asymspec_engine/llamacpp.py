@@ -56,9 +56,9 @@ log = logging.getLogger("asymspec.engine")
 
 # The file a prepared model folder holds for this engine, and its quantisation: Q8_0 keeps
 # the embedded target's Q4_1 weights but for one rounding. Q4_0 runs llama.cpp's repacked CPU
-# kernels and was faster at every shape (1.2x a decode step, 1.7x a 2-row verify, 1.6x a
+# kernels and was faster at every shape (1.5x a decode step, 1.8x a 2-row verify, 1.4x a
 # prefill on an AVX-512 EPYC), but as a second 4-bit rounding it is another model: its next
-# token agreed with the float32 reference's at 72 % of positions, Q8_0's at 99 %
+# token agreed with the float32 reference's at 60 % of positions, Q8_0's at 96 %
 # (loadtest/results/forward-cost/). A GGUF of the user's own choosing runs as it is.
 ENGINE_QUANT = "q8_0"
 ENGINE_GGUF = f"model.{ENGINE_QUANT}.gguf"
