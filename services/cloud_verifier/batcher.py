@@ -122,6 +122,7 @@ class _Generation:
     tokens: asyncio.Queue[Decoded | BaseException | None] = field(default_factory=asyncio.Queue)
     admitted: bool = False  # its first round ran (set by the actor loop after it)
     abandoned: bool = False  # its consumer went away: dropped before the next round
+    stopping: bool = False  # its edge asked it to stop: its next round's token is its last
 
     def end(self, error: BaseException | None = None) -> None:
         self.tokens.put_nowait(error)
@@ -156,6 +157,7 @@ class _Round:
     jobs: list[_Job]  # closes, verify blocks and decode steps
     chunks: list[_Chunk]  # prompt chunks
     ended: list[Session]  # generations whose consumer went away
+    stopping: list[Session]  # generations whose edge asked them to stop
 
 
 class Batcher:
@@ -187,6 +189,9 @@ class Batcher:
         metrics.forward_row_seconds.set_function(lambda: self._fitted_cost()[1])
         self._prefilling: list[_Prefill] = []
         self._generating: list[_Generation] = []
+        # Every generation from its submission to its consumer's end, by session: the one
+        # a StopGeneration stops (the actor adds it to `_generating` when it collects it).
+        self._generations: dict[str, _Generation] = {}
         self._in_flight: list[_Job] = []  # the jobs of the forward under way
         # Sessions whose next block or decode step is due any moment: their verdict went
         # back, their prompt is in the cache or their generation ended, and nothing of
@@ -274,6 +279,7 @@ class Batcher:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         job = _Job(JobKind.GENERATE, session, future)
         job.generation = generation = _Generation(job, tail, max_tokens, frozenset(stop_ids))
+        self._generations[session.key] = generation
         self._queue.put_nowait(job)
         try:
             while (item := await generation.tokens.get()) is not None:
@@ -282,6 +288,15 @@ class Batcher:
                 yield item
         finally:
             generation.abandoned = True
+            if self._generations.get(session.key) is generation:
+                del self._generations[session.key]
+
+    def stop_generation(self, session: Session) -> None:
+        """End the session's generation with its next round's token (its edge speculates
+        again). A stop that finds none under way (it ended meanwhile) does nothing."""
+        generation = self._generations.get(session.key)
+        if generation is not None:
+            generation.stopping = True
 
     async def close(self, session: Session) -> None:
         await self._submit(JobKind.CLOSE, session)
@@ -313,10 +328,15 @@ class Batcher:
             ended = [g for g in self._generating if g.abandoned]
             for gone in ended:
                 self._generating.remove(gone)
+            stopping = [g for g in self._generating if g.stopping]
+            for generation in stopping:
+                generation.stopping = False  # applied once, in this round
             work += [g.job for g in self._generating]
             chunks = self._next_chunks(sum(job.rows for job in work) or self._due_rows(started))
             self._in_flight = work  # so that a death fails them too
-            round_ = _Round(work, chunks, [g.job.session for g in ended])
+            round_ = _Round(
+                work, chunks, [g.job.session for g in ended], [g.job.session for g in stopping]
+            )
             outcomes = await self.model_thread.run(self._execute, round_)
             handed_back_s = time.perf_counter()
             for job, (ok, value) in zip(work, outcomes, strict=True):
@@ -445,8 +465,8 @@ class Batcher:
 
     def _execute(self, round_: _Round) -> list[tuple[bool, Any]]:
         """Run one round on the worker thread: the closes and the ended generations, then
-        the admissions, then one forward for the prefill chunks, verify blocks and decode
-        steps. Per job (ok, result or exception).
+        the admissions and the stopped generations, then one forward for the prefill
+        chunks, verify blocks and decode steps. Per job (ok, result or exception).
 
         Closes go first: an agent's next round, sent as its last one ended, often lands in
         the same round as that one's close, and its prefill adopts the closed session's
@@ -474,6 +494,8 @@ class Batcher:
                 results[i] = (True, cached)
             else:
                 live.append(i)
+        for session in round_.stopping:  # after the admissions: one may be admitted just now
+            session.stop_generation()
         if self.threads is not None:  # set on this (the worker) thread, which runs forwards
             wanted = self.threads.for_round(
                 self.target.lm.sessions(),

@@ -37,6 +37,7 @@ from asymspec.wire import (
     Message,
     OpenSession,
     SessionOpened,
+    StopGeneration,
     VerifyBlock,
     VerifyBlockFull,
     WireError,
@@ -245,6 +246,12 @@ class ChannelServer:
             conn.spawn(self._close(conn, msg.session_id), msg.session_id)
         elif isinstance(msg, GenerateRequest):
             conn.spawn(self._generate(conn, msg), msg.session_id)
+        elif isinstance(msg, StopGeneration):
+            # Inline, not spawned: it lands before any frame the edge sent after it. A stop
+            # for a session that closed meanwhile is moot.
+            session = conn.sessions.get(msg.session_id)
+            if session is not None:
+                self.batcher.stop_generation(session)
         else:
             await conn.send_error(
                 ErrorCode.MALFORMED, f"unexpected {type(msg).__name__}", None, None

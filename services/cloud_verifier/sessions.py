@@ -153,6 +153,11 @@ class Session:
     def generating(self) -> bool:
         return self.generation_left > 0
 
+    def stop_generation(self) -> None:
+        """Its edge wants to speculate again: the generation's next token is its last."""
+        if self.generating:
+            self.generation_left = 1
+
     def end_generation(self) -> None:
         """The generation stops early: its requester went away, or its round failed."""
         self.generation_left = 0

@@ -36,6 +36,7 @@ from asymspec.wire import (
     Payload,
     SamplingConfig,
     SessionOpened,
+    StopGeneration,
     VerifyBlock,
     VerifyBlockFull,
     VerifyResult,
@@ -55,15 +56,6 @@ from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
 _NO_TAIL = np.zeros(0, dtype=np.uint32)
-
-# While speculation is paused, a request asks the cloud for this many tokens at a time, then
-# looks at the batch again: long enough that the ask's round trip is rare, short enough
-# that a request resumes speculating soon after the batch shrinks. Each ask costs the
-# request a round or two of the cloud's (the last token goes down, the next ask comes up
-# while the round after it has already started): at 16, 16 streaming chats of 64 tokens
-# under `make run` gave 307-338 tok/s against 359-411 at 64, in three rounds each
-# (`loadtest/results/paused-chunk/`).
-GENERATE_CHUNK_TOKENS = 64
 
 
 def _seed(request: GenerationRequest) -> int:
@@ -167,6 +159,9 @@ class SpeculativeEngine:
             min_suffix_expected=settings.suffix_min_expected_tokens,
         )
         self.suffix = self._suffix_drafter(settings, mode, scheduler)
+        # Requests from their open to their end: the batch the pause and goodput rules
+        # size. One counts while its sessions open, so that a burst of arrivals sees itself.
+        self.decoding = 0
 
     @staticmethod
     def _suffix_drafter(
@@ -199,7 +194,7 @@ class SpeculativeEngine:
 
     def pause_reason(self) -> str | None:
         """Why requests do not speculate now ("batch_size", "goodput"), or None."""
-        settings, batch = self.settings, self.scheduler.active
+        settings, batch = self.settings, self.decoding
         if not settings.speculates_at(batch):
             return "batch_size"
         goodput = settings.goodput_pause and settings.draft_length.maximises_goodput
@@ -222,6 +217,7 @@ class SpeculativeEngine:
         session_id = next(self.session_ids)
         state = _RequestState(self, request, session_id, seed, config)
         self.cloud.ledger.track(session_id)
+        self.decoding += 1
         # One try for open and run: whenever the request ends (done, failed, or the client
         # gone while the session was still opening), both sides of its session are closed.
         try:
@@ -231,6 +227,8 @@ class SpeculativeEngine:
         except _CLOUD_FAILURES as exc:
             raise _cloud_failure(exc) from exc
         finally:
+            self.decoding -= 1
+            await state.stop_catching_up()
             if self.suffix is not None:
                 self.suffix.remember(state.confirmed[len(request.prompt_ids) :])
             await self._close(session_id, opened_draft=state.key)
@@ -275,7 +273,6 @@ class _RequestState:
         self.generator = torch.Generator().manual_seed(seed % 2**63)
         self.produced = 0
         self.next_draft: Draft | None = None  # a runahead block that turned out valid
-        self.suffix_matched = False  # the suffix drafter's last look found a continuation
         # How many of the draft cache's tokens the last verdict confirmed (before the first
         # block, the prompt's all but last, as open() cached them): the next propose rolls
         # the cache back to it. A feature draft's count stops before the block's drafts,
@@ -285,6 +282,8 @@ class _RequestState:
         draft = engine.scheduler.draft
         self.features = FeatureLog(draft.hidden_size) if draft.needs_features else None
         self.constraint = engine.constraints.build(config, request.prompt_ids)
+        # Feeding the draft what it missed while the request did not draft (`_catch_up`)
+        self.catching_up: asyncio.Task[None] | None = None
 
     async def open_both(self) -> None:
         """Open the cloud's session and the draft's. A token draft opens alongside the
@@ -296,7 +295,14 @@ class _RequestState:
             await scheduler.open(self.key, prompt, self.features.before(0, len(prompt) - 1))
             return
         opening = asyncio.ensure_future(self.open())
-        drafting = asyncio.ensure_future(scheduler.open(self.key, self.confirmed))
+        # A request that will not draft its first block leaves its draft's cache empty: its
+        # prefill would only hold up the first token and take the cores from the cloud
+        # (eight agent conversations on one 2-core machine: 0.78x target-only with it, 0.88x
+        # without); the draft catches up if the request drafts later.
+        drafts_soon = self._pause_reason() is None
+        drafting = asyncio.ensure_future(
+            scheduler.open(self.key, self.confirmed, prefill=drafts_soon)
+        )
         try:
             await asyncio.gather(opening, drafting)
         finally:  # neither may outlive the other's failure or a cancellation
@@ -372,37 +378,19 @@ class _RequestState:
                 await self._reopen()  # the cloud restarted between two of our frames
 
     async def _next_tokens(self, remaining: int) -> AsyncGenerator[list[int], None]:
-        """One block's tokens, or, while speculation is paused (``SpeculativeEngine.
-        speculates``), up to `GENERATE_CHUNK_TOKENS` the cloud decodes alone, as they
-        come."""
-        engine = self.engine
-        paused = (
-            "request"
-            if self.request.num_draft_tokens == 0
-            # the target's log-probabilities live at the cloud: it samples every token
-            else "logprobs"
-            if self.request.logprobs is not None
-            else engine.pause_reason()
-        )
+        """One block's tokens, or, while speculation is paused, the tokens the cloud
+        decodes alone (`_cloud_decoded`) as they come."""
+        paused = self._why_paused()
         speculating = self.next_draft is not None or paused is None
-        # A suffix block speculates: not for a request that turned speculation off or asks
-        # for logprobs; a constrained one drafts under its grammar instead.
-        suffix = None
-        plain = self.request.logprobs is None and self.constraint is None
-        if self.request.num_draft_tokens != 0 and plain:
-            suffix = self._suffix_block(remaining, speculating)
+        suffix = self._suffix_block(remaining, speculating) if self._takes_suffix_blocks else None
         if suffix is not None:
             yield await self._one_block(len(suffix.tokens), suffix)
             return
         if not speculating:
             assert paused is not None
-            chunk = GENERATE_CHUNK_TOKENS
-            if self.suffix_matched:  # repeats are about: look for a suffix block sooner
-                chunk = engine.settings.suffix_paused_chunk_tokens
-            decoded = self._cloud_decoded(min(chunk, remaining))
+            decoded = self._cloud_decoded(remaining, paused)
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
-                    self.request.stats.record_paused(paused, 1)
                     yield [token]
             return
         gamma = self._next_gamma()
@@ -410,31 +398,93 @@ class _RequestState:
             self.request.stats.record_shortened("max_tokens")
         yield await self._one_block(max(1, min(gamma, remaining - 1)))
 
+    @property
+    def _takes_suffix_blocks(self) -> bool:
+        """A suffix block speculates: not for a request that turned speculation off or asks
+        for logprobs; a constrained one drafts under its grammar instead."""
+        request = self.request
+        return (
+            request.num_draft_tokens != 0 and request.logprobs is None and self.constraint is None
+        )
+
+    def _why_paused(self) -> str | None:
+        """Why the next block is not the draft model's: `_pause_reason`, or the draft still
+        catching up; None when it is."""
+        paused = self._pause_reason()
+        if paused is None and self.next_draft is None and not self._draft_ready():
+            return "draft_catching_up"
+        return paused
+
+    def _pause_reason(self) -> str | None:
+        """Why the request's next block is not the draft model's (the request's own
+        setting first, then the edge's pause), or None."""
+        if self.request.num_draft_tokens == 0:
+            return "request"
+        if self.request.logprobs is not None:
+            return "logprobs"  # they live at the cloud: it samples every token
+        return self.engine.pause_reason()
+
+    def _draft_ready(self) -> bool:
+        """Whether the draft can draft the next block: it is at most a prefill chunk behind
+        the confirmed prefix (a propose feeds that much itself). Otherwise a catch-up starts
+        and the cloud decodes alone until it is done, rather than waiting for it."""
+        if self.catching_up is not None:
+            if not self.catching_up.done():
+                return False
+            catching_up, self.catching_up = self.catching_up, None
+            catching_up.result()  # its failure is the request's
+        if self.features is not None:
+            return True  # a feature draft is fed with the target's features by propose
+        scheduler = self.engine.scheduler
+        kept = min(self.draft_confirmed, scheduler.cached_length(self.key))
+        missed = self.confirmed[kept:-1]
+        if len(missed) <= scheduler.prefill_chunk_tokens:
+            return True
+        self.catching_up = asyncio.ensure_future(self._catch_up(kept, missed))
+        return False
+
+    async def _catch_up(self, kept: int, missed: list[int]) -> None:
+        await self.engine.scheduler.catch_up(self.key, kept, missed)
+        self.draft_confirmed = kept + len(missed)
+
+    async def stop_catching_up(self) -> None:
+        """The request ended: its catch-up goes before its draft session closes."""
+        if self.catching_up is not None:
+            self.catching_up.cancel()
+            await asyncio.gather(self.catching_up, return_exceptions=True)
+
     def _suffix_block(self, remaining: int, speculating: bool) -> Draft | None:
         """The next block from the suffix drafter where the goodput rule says it pays more
         than the draft model (``speculating``) or the cloud decoding alone; else None."""
+        tokens = self._suffix_tokens(remaining, speculating)
+        return self.engine.suffix_draft(tokens) if tokens else None
+
+    def _suffix_tokens(self, remaining: int, speculating: bool) -> list[int]:
         engine = self.engine
         if engine.suffix is None or self.next_draft is not None or remaining < 2:
-            return None
+            return []
         limit = min(engine.settings.suffix_max_tokens, remaining - 1)
         # A seeded request's blocks depend on the request alone, so that the same request
         # gives the same text again: the store holds whatever others wrote meanwhile.
         seeded = self.request.seed is not None
         proposal = engine.suffix.propose(self.confirmed, limit, use_store=not seeded)
-        self.suffix_matched = bool(proposal.tokens)
-        gamma = engine.goodput_gamma.suffix_tokens(
-            proposal.probs, engine.scheduler.active, speculating
-        )
-        return engine.suffix_draft(proposal.tokens[:gamma]) if gamma else None
+        gamma = engine.goodput_gamma.suffix_tokens(proposal.probs, engine.decoding, speculating)
+        return list(proposal.tokens[:gamma])
 
-    async def _cloud_decoded(self, max_tokens: int) -> AsyncGenerator[int, None]:
-        """Speculation paused: the cloud samples the next ``max_tokens`` from p alone (its
-        generation joins the verify rounds, as a target-only one does) and streams them.
-        The draft's cache falls behind; the next block feeds it what it missed."""
+    async def _cloud_decoded(self, max_tokens: int, paused: str) -> AsyncGenerator[int, None]:
+        """Speculation paused (``paused`` says why): the cloud samples up to ``max_tokens``
+        from p alone (its generation joins the verify rounds, as a target-only one does)
+        and streams them. Asking for them all at once keeps the cloud's decoding from ever
+        waiting on an ask; every `paused_look_tokens` the request looks whether to speculate
+        again (`_still_paused`), and if so asks the cloud to stop: the generation ends a
+        token or two later, and each token it sent stays confirmed (each is a sample of p).
+        The draft's cache falls behind meanwhile; the next block feeds it what it missed."""
         channel, metrics = self.channel, self.engine.metrics
+        look_every = self.engine.settings.paused_look_tokens
         stop = np.asarray(sorted(self.request.stop_token_ids), dtype=np.uint32)
         tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
         queue = channel.stream(self.session_id)
+        unseen, stopping = 0, False  # tokens since the last look; the stop went out
         try:
             await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
             self.tail = []  # the cloud has it now
@@ -443,9 +493,33 @@ class _RequestState:
                 for token in (int(t) for t in frame.tokens):
                     self._confirm([token])
                     metrics.cloud_decoded_tokens.inc()
+                    self.request.stats.record_paused(paused, 1)
                     yield token
+                max_tokens -= len(frame.tokens)
+                unseen += len(frame.tokens)
+                caught_up = self.catching_up is not None and self.catching_up.done()
+                if stopping or frame.done or (unseen < look_every and not caught_up):
+                    continue
+                unseen = 0
+                still_paused = self._still_paused(max_tokens)
+                if still_paused is None:
+                    stopping = True
+                    await channel.send(StopGeneration(self.session_id))
+                else:
+                    paused = still_paused
         finally:
             channel.end_stream(self.session_id)
+
+    def _still_paused(self, remaining: int) -> str | None:
+        """At a look while the cloud decodes alone: why the request stays paused, or None
+        where it should speculate again (the pause ended and the draft is ready, or a
+        suffix block pays more than the cloud decoding alone)."""
+        paused = self._why_paused()
+        if paused is None:
+            return None
+        if self._takes_suffix_blocks and self._suffix_tokens(remaining, speculating=False):
+            return None
+        return paused
 
     async def _reopen(self) -> None:
         """The session's replica went away mid-request: open the session again from the
@@ -583,7 +657,7 @@ class _RequestState:
         engine = self.engine
         if self.request.num_draft_tokens or not engine.settings.draft_length.maximises_goodput:
             return self.gamma
-        return engine.goodput_gamma.choose(engine.scheduler.active, self.gamma)
+        return engine.goodput_gamma.choose(engine.decoding, self.gamma)
 
     def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
         """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):

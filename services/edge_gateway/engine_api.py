@@ -36,7 +36,8 @@ class SpecStats:
     # Tokens the cloud decoded alone for the request, by why it did not speculate then:
     # "request" (num_draft_tokens 0), "logprobs" (asked for the target's log-probabilities),
     # "batch_size" (speculative_disable_by_batch_size),
-    # "goodput" (the goodput rule's pause). Empty: the request speculated throughout.
+    # "goodput" (the goodput rule's pause), "draft_catching_up" (the draft being fed what it
+    # missed while the request did not draft). Empty: the request speculated throughout.
     paused_tokens: dict[str, int] = field(default_factory=dict)
     # Why a block held fewer drafts than the request pinned, in blocks: "max_tokens" (the
     # tokens left), "draft_stopped" (the draft ended it early: stop_confidence or a stop token)

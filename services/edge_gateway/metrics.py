@@ -285,8 +285,8 @@ class EdgeMetrics:
             cloud_decoded_tokens=f.counter(
                 "asymspec_cloud_decoded_tokens_total",
                 "Tokens of speculative requests the cloud decoded alone while speculation "
-                "was paused (the batch above speculative_disable_by_batch_size, or the goodput "
-                "rule's pause).",
+                "was paused (the batch above speculative_disable_by_batch_size, the goodput "
+                "rule's pause, or the draft catching up).",
             ),
             cloud_connected=f.gauge(
                 "asymspec_cloud_connected",

@@ -83,26 +83,42 @@ class DraftScheduler:
         session_id: str,
         prompt_ids: Sequence[int],
         prev_features: torch.Tensor | None = None,
+        prefill: bool = True,
     ) -> None:
         """Prefill the draft's cache with the prompt (all but its last token; a feature
         draft reads ``prev_features`` [len(prompt) - 1, hidden] with them). A long prompt
         goes in chunks of `prefill_chunk_tokens`, each its own call on the model thread, so
         the other requests' drafting runs between them instead of waiting for the whole
-        prompt (a 2,000-token prompt holds a 2-core CPU's draft for about a second)."""
+        prompt (a 2,000-token prompt holds a 2-core CPU's draft for about a second).
+        Without ``prefill`` the session opens empty, for a request that will not draft
+        soon: `catch_up` feeds it when it does."""
         prefix = list(prompt_ids[:-1])
-        if len(prefix) <= self.prefill_chunk_tokens:
+        if prefill and len(prefix) <= self.prefill_chunk_tokens:
             await self._call(self.draft.open, session_id, prompt_ids, prev_features)
         else:
             await self._call(self.draft.start, session_id)
             try:
-                for start in range(0, len(prefix), self.prefill_chunk_tokens):
-                    end = min(len(prefix), start + self.prefill_chunk_tokens)
-                    features = None if prev_features is None else prev_features[start:end]
-                    await self._call(self.draft.prefill, session_id, prefix[start:end], features)
+                if prefill:
+                    await self._prefill(session_id, prefix, prev_features)
             except Exception:
                 await self._call(self.draft.close, session_id)  # no half-open session
                 raise
         self._active += 1
+
+    async def catch_up(self, session_id: str, rollback_to: int, token_ids: Sequence[int]) -> None:
+        """Roll a token draft's cache back to ``rollback_to`` tokens and feed it
+        ``token_ids`` (the confirmed tokens it missed, but the last), in chunks as `open`
+        does: a draft that fell far behind catches up without holding the others'."""
+        await self._call(self.draft.rollback, session_id, rollback_to)
+        await self._prefill(session_id, token_ids, None)
+
+    async def _prefill(
+        self, session_id: str, token_ids: Sequence[int], features: torch.Tensor | None
+    ) -> None:
+        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
+            end = min(len(token_ids), start + self.prefill_chunk_tokens)
+            chunk_features = None if features is None else features[start:end]
+            await self._call(self.draft.prefill, session_id, token_ids[start:end], chunk_features)
 
     async def close(self, session_id: str) -> None:
         self._active -= 1

@@ -193,7 +193,8 @@ class SpecDecodingStats(BaseModel):
     uplink_bytes: int
     downlink_bytes: int
     # tokens the cloud decoded alone, by why the request did not speculate then
-    # ("request": num_draft_tokens 0, "logprobs", "batch_size", "goodput"); {} if it always did
+    # ("request": num_draft_tokens 0, "logprobs", "batch_size", "goodput",
+    # "draft_catching_up"); {} if it always did
     paused_tokens: dict[str, int]
     # blocks shorter than a pinned num_draft_tokens, by why ("max_tokens", "draft_stopped")
     shortened_blocks: dict[str, int]

@@ -160,12 +160,11 @@ class EdgeSettings(RuntimeSettings):
         description="Bytes of recent outputs (4 a token) the edge keeps for suffix matches "
         "across requests, least recently used out first; 0 = the request's own context only.",
     )
-    suffix_paused_chunk_tokens: int = Field(
+    paused_look_tokens: int = Field(
         16,
         ge=1,
-        description="While speculation is paused, a request whose context the suffix drafter "
-        "matched asks the cloud for this many tokens at a time (instead of 64), so that "
-        "it looks for a suffix block again sooner.",
+        description="While speculation is paused, a request looks every this many tokens the "
+        "cloud decodes whether to speculate again (the pause ended, a suffix block pays).",
     )
     draft_stop_confidence: float = Field(
         0.0,
@@ -211,8 +210,8 @@ class EdgeSettings(RuntimeSettings):
         ge=1,
         description="Speculation pauses while more requests than this decode at once: each "
         "then lets the cloud decode it alone (as target-only mode does, in the same "
-        "rounds) a few tokens at a time, and speculates again once the batch is back at "
-        "or under it (vLLM's option of the same name). Unset: "
+        "rounds), and speculates again once the batch is back at or under it (vLLM's "
+        "option of the same name). Unset: "
         f"{COLOCATED_SPECULATIVE_BATCH_LIMIT} when ASYMSPEC_COLOCATED is set (one host's "
         "cores shared by both models: the cloud, on every core while it decodes alone, "
         "outruns speculation at large batches), else never.",

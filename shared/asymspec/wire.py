@@ -51,6 +51,7 @@ Frame layout (one msgpack value per frame, positional, no field names)::
     12    GenerateRequest    session_id, max_tokens, stop_token_ids, committed_tail
     13    GenerateTokens     session_id, tokens, done, Logprobs | nil (when the session asked)
     14    ErrorFrame         code, message, session_id | nil, BlockId | nil
+    15    StopGeneration     session_id
 
 `decode` raises only `WireError`. Decoded arrays are zero-copy, read-only numpy views over
 the bytes objects msgpack allocated for each bin field (`.copy()` before mutating). `encode`
@@ -77,8 +78,8 @@ from asymspec.sampling_params import NO_PENALTIES, Penalties, SamplingParams
 
 # 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost;
 # 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding);
-# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar)
-PROTOCOL_VERSION = 6
+# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar); 7: StopGeneration
+PROTOCOL_VERSION = 7
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
 
@@ -111,6 +112,7 @@ class MessageType(IntEnum):
     GENERATE_REQUEST = 12
     GENERATE_TOKENS = 13
     ERROR = 14
+    STOP_GENERATION = 15
 
 
 class CorrectionKind(IntEnum):
@@ -480,6 +482,21 @@ class GenerateRequest(_Wire):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class StopGeneration(_Wire):
+    """End the session's generation soon: the cloud decodes one more token, marks it done
+    and stops. A paused speculative session asks for all its remaining tokens at once and
+    sends this when it wants to speculate again, so that the cloud's decoding never waits
+    on an ask. Every token the cloud sent stays confirmed (each is a sample of p); a stop
+    that finds no generation under way (it ended meanwhile) is dropped."""
+
+    TYPE: ClassVar[MessageType] = MessageType.STOP_GENERATION
+    session_id: int
+
+    def _fields(self) -> list[Any]:
+        return [self.session_id]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Logprobs:
     """The target's raw log-softmax at n sampled tokens: each token's own and its k most
     probable alternatives' (ordered), as exact float32."""
@@ -534,6 +551,7 @@ Message: TypeAlias = (
     | CorrectionResponse
     | GenerateRequest
     | GenerateTokens
+    | StopGeneration
     | ErrorFrame
 )
 
@@ -887,6 +905,7 @@ _FIELD_COUNTS = MappingProxyType(
         MessageType.GENERATE_REQUEST: 4,
         MessageType.GENERATE_TOKENS: 4,
         MessageType.ERROR: 4,
+        MessageType.STOP_GENERATION: 1,
     }
 )
 
@@ -923,6 +942,8 @@ def _fields_of(msg_type: MessageType, raw: list[Any]) -> Message:
         case MessageType.ERROR:
             code: ErrorCode = _enum(ErrorCode, f.uint(), "ErrorFrame code")
             return ErrorFrame(code, f.text(), f.opt_uint(_U64_MAX), f.opt_block())
+        case MessageType.STOP_GENERATION:
+            return StopGeneration(f.uint(_U64_MAX))
     raise AssertionError(f"unhandled message type {msg_type!r}")  # pragma: no cover
 
 

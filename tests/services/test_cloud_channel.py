@@ -33,6 +33,7 @@ from asymspec.wire import (
     OpenSession,
     SamplingConfig,
     SessionOpened,
+    StopGeneration,
     TopK,
     VerifyBlock,
     VerifyResult,
@@ -322,6 +323,45 @@ def test_a_generation_sent_behind_its_open_starts_once_the_prompt_is_in(
         return tokens
 
     assert with_channel(cloud, body) == greedy_chain[:8]
+
+
+def test_a_stop_ends_a_generation_and_a_stop_without_one_is_dropped(
+    cloud: Service, greedy_chain: list[int]
+) -> None:
+    """A paused edge asks for all its remaining tokens and sends StopGeneration when it
+    wants to speculate again: the generation ends soon after, marked done, on the greedy
+    chain. A stop for a session without a generation, or for no open session, is moot: no
+    error comes back, and the session's next generation runs its full length."""
+    none = np.zeros(0, dtype=np.uint32)
+
+    async def body(channel: CloudChannel) -> tuple[list[int], list[int]]:
+        stream, unknown = channel.stream(42), channel.stream(99)
+        await open_greedy(channel, 42)
+        await channel.send(StopGeneration(42))  # no generation under way
+        await channel.send(StopGeneration(99))  # no such session
+        await channel.send(GenerateRequest(42, 400, none, none))
+        stopped: list[int] = []
+        done = False
+        while not done:
+            frame = await asyncio.wait_for(stream.get(), 30)
+            assert isinstance(frame, GenerateTokens), frame
+            if not stopped:
+                await channel.send(StopGeneration(42))
+            stopped += [int(t) for t in frame.tokens]
+            done = frame.done
+        await channel.send(GenerateRequest(42, 3, none, none))
+        after: list[int] = []
+        while len(after) < 3:
+            frame = await asyncio.wait_for(stream.get(), 30)
+            assert isinstance(frame, GenerateTokens), frame
+            after += [int(t) for t in frame.tokens]
+        assert frame.done and unknown.empty()
+        return stopped, after
+
+    stopped, after = with_channel(cloud, body)
+    assert 1 <= len(stopped) < 400
+    chain = stopped + after
+    assert chain[:20] == greedy_chain[: len(chain[:20])]
 
 
 def test_out_of_vocabulary_prompt_is_refused_and_not_counted(cloud: Service) -> None:

@@ -52,7 +52,12 @@ VARIANTS = {
     # Blocks end after an unsure draft token; τ cuts some of the tiny draft's blocks, not all.
     "asymspec-stop": ("asymspec", {"draft_stop_confidence": STOP_CONFIDENCE}),
     # Speculation pauses while more than one request decodes: the cloud decodes them alone.
-    "asymspec-paused": ("asymspec", {"speculative_disable_by_batch_size": "1"}),
+    # A request that opens paused opens its draft empty; in chunks of 8 tokens, the draft's
+    # catch-up when it drafts again is longer than one chunk.
+    "asymspec-paused": (
+        "asymspec",
+        {"speculative_disable_by_batch_size": "1", "draft_prefill_chunk_tokens": "8"},
+    ),
     # The product's default: speculation pauses where the goodput model says it loses.
     "asymspec-goodput": ("asymspec", {"goodput_pause": "true"}),
     # Suffix blocks only where the drafter has no doubt, for a comparison without them.
@@ -150,20 +155,25 @@ def test_greedy_chat_stream_matches_target_only(edges: dict[str, Service], mode:
     assert usage is not None and usage["completion_tokens"] <= 20
 
 
-async def completed_together(edge: Service, bodies: list[dict[str, Any]]) -> list[str]:
-    """The texts of ``bodies`` sent to ``edge``'s completions route all at once."""
+async def completed_together(edge: Service, bodies: list[dict[str, Any]]) -> list[dict]:
+    """The replies to ``bodies`` sent to ``edge``'s completions route all at once."""
     async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
         replies = await asyncio.gather(
             *(client.post("/v1/completions", json={"model": "asymspec", **b}) for b in bodies)
         )
-    return [r.json()["choices"][0]["text"] for r in replies]
+    return [r.json() for r in replies]
+
+
+def texts(replies: list[dict]) -> list[str]:
+    return [reply["choices"][0]["text"] for reply in replies]
 
 
 def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> None:
-    """Above its batch limit (1 here) a request lets the cloud decode it alone, up to 64
-    tokens at a time (``GENERATE_CHUNK_TOKENS``), and speculates again once alone: of three
-    concurrent greedy requests of different lengths the longest goes both ways, and each
-    equals target-only's output."""
+    """Above its batch limit (1 here) a request lets the cloud decode it alone, and stops
+    the cloud's generation to speculate again once alone: of three concurrent greedy
+    requests of different lengths the longest goes both ways, and each equals target-only's
+    output. The longest opened paused, so its draft opened empty and caught up (the cloud
+    decoding meanwhile) before it drafted."""
     edge = edges["asymspec-paused"]
     bodies = [
         {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -173,9 +183,13 @@ def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> No
     names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
     before = [metric_value(edge, name) for name in names]
 
-    assert asyncio.run(completed_together(edge, bodies)) == expected
+    replies = asyncio.run(completed_together(edge, bodies))
+    assert texts(replies) == expected
     decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
     assert decoded >= 16 and blocks >= 1, (decoded, blocks)
+    longest = replies[2]["metrics"]["speculative_decoding"]
+    assert longest["num_drafts"] >= 1 and longest["paused_tokens"]["batch_size"] >= 1, longest
+    assert longest["paused_tokens"]["draft_catching_up"] >= 1, longest
 
 
 def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, Service]) -> None:
@@ -194,7 +208,7 @@ def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, S
     before = [metric_value(edge, name) for name in names]
 
     for _ in range(3):  # the first round teaches the edge α and the cost
-        assert asyncio.run(completed_together(edge, bodies)) == expected
+        assert texts(asyncio.run(completed_together(edge, bodies))) == expected
     decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
     assert decoded >= 32 and blocks >= 8, (decoded, blocks)
     # The same edge with the pause off speculates throughout (the other variants' default).

@@ -198,6 +198,43 @@ def test_closing_its_session_ends_a_generation_quietly() -> None:
     assert isinstance(error, SessionClosed) and error.code is ErrorCode.UNKNOWN_SESSION
 
 
+def test_a_stopped_generation_ends_within_two_rounds_and_the_session_takes_blocks() -> None:
+    """A paused edge that wants to speculate again stops its generation: the round under
+    way (if any) and one more give their tokens, the last marked as such, all on the greedy
+    chain; then the session verifies blocks again. A stop with no generation does nothing."""
+    target = RecordingTarget()
+    batcher = new_batcher(target)
+    session = session_with_prompt(1, [4, 8, 15])
+    model = target.lm.model  # type: ignore[attr-defined]
+
+    def argmax(chain: list[int]) -> int:
+        return int(full_logits(model, chain)[-1].argmax())
+
+    async def run() -> tuple[list[Decoded], int, int, int]:
+        batcher.start()
+        await batcher.prefill(session)
+        batcher.stop_generation(session)  # none under way: moot
+        generation = batcher.generate(session, 200)
+        decoded = [await anext(generation)]
+        rounds_at_stop = len(target.rounds)
+        batcher.stop_generation(session)
+        decoded += [d async for d in generation]
+        rounds = len(target.rounds)
+        right = argmax(session.confirmed)
+        accepted = await batcher.verify(session, block_of(session, 1, [right], []))
+        await batcher.stop()
+        return decoded, rounds_at_stop, rounds, accepted.n_accepted
+
+    decoded, rounds_at_stop, rounds, n_accepted = asyncio.run(run())
+    assert rounds <= rounds_at_stop + 2 and len(decoded) < 200
+    assert [d.last for d in decoded] == [False] * (len(decoded) - 1) + [True]
+    chain = [4, 8, 15]
+    for d in decoded:
+        assert d.token == argmax(chain)
+        chain.append(d.token)
+    assert n_accepted == 1 and not session.generating
+
+
 def block_of(session: Session, seq: int, drafts: list[int], tail: list[int]) -> VerifyBlock:
     return VerifyBlock(
         BlockId(1, seq, len(session.confirmed) + len(tail), session.digest),

@@ -40,6 +40,7 @@ from asymspec.wire import (
     Proposals,
     SamplingConfig,
     SessionOpened,
+    StopGeneration,
     TargetCost,
     TopK,
     VerifyBlock,
@@ -130,6 +131,7 @@ def sample_messages() -> list[Message]:
         GenerateRequest(3, 16, u32(0, 2), u32(9)),  # speculation paused after a recovery
         GenerateTokens(3, u32(5, 6, 7), False),
         GenerateTokens(3, u32(), True),
+        StopGeneration(3),
         GenerateTokens(
             3,
             u32(5, 6),
