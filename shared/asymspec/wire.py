@@ -463,8 +463,10 @@ class CorrectionResponse(_Wire):
 class GenerateRequest(_Wire):
     """The cloud decodes the session alone, streaming GenerateTokens back: target-only
     mode (SPADE's "Target" baseline), and a speculative session while speculation is paused
-    (the edge's batch is above ``speculative_disable_by_batch_size``). ``committed_tail``
-    is the edge's recovered token the cloud does not know yet (as in a block's)."""
+    (the goodput rule's pause, or the batch above ``speculative_disable_by_batch_size``),
+    which asks for all its remaining tokens and ends the generation with StopGeneration.
+    ``committed_tail`` is the edge's recovered token the cloud does not know yet (as in a
+    block's)."""
 
     TYPE: ClassVar[MessageType] = MessageType.GENERATE_REQUEST
     session_id: int
@@ -483,11 +485,12 @@ class GenerateRequest(_Wire):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StopGeneration(_Wire):
-    """End the session's generation soon: the cloud decodes one more token, marks it done
-    and stops. A paused speculative session asks for all its remaining tokens at once and
-    sends this when it wants to speculate again, so that the cloud's decoding never waits
-    on an ask. Every token the cloud sent stays confirmed (each is a sample of p); a stop
-    that finds no generation under way (it ended meanwhile) is dropped."""
+    """End the session's generation soon: the token of the cloud's next round (after the
+    one under way, if any) is its last, marked done. A paused speculative session asks for
+    all its remaining tokens at once and sends this when it wants to speculate again, so
+    that the cloud's decoding never waits on an ask. Every token the cloud sent stays
+    confirmed (each is a sample of p); a stop that finds no generation under way (it ended
+    meanwhile) is dropped."""
 
     TYPE: ClassVar[MessageType] = MessageType.STOP_GENERATION
     session_id: int
