@@ -110,14 +110,11 @@ class _Job:
         return 1 if self.generates else 0
 
 
-# Start-up forwards on a scratch session, each the median of a few after an untimed one: a
-# lone session's decode step (`TargetCost.step_s`, then followed over the one-row rounds
-# that run, exponentially weighted with this weight on the newest), and blocks of a few
-# row counts that anchor the step fit (`ForwardCost.anchor`), each worth a few forwards.
+# A lone session's decode step (`TargetCost.step_s`): timed at start-up on a scratch
+# session (the median of a few, after an untimed one), then followed over the one-row
+# rounds that run, exponentially weighted with this weight on the newest.
+_STEP_REPEATS = 5
 _STEP_NEWEST_WEIGHT = 0.05
-_ANCHOR_ROWS = (2, 5, 9)
-_ANCHOR_WEIGHT = 2.0
-_TIMING_REPEATS = 5
 _SCRATCH_SESSION = "\0calibration"  # no session key an edge can make
 _SCRATCH_PROMPT_TOKENS = 64
 
@@ -227,33 +224,27 @@ class Batcher:
         self.actor.start(self._run())
 
     async def calibrate(self) -> None:
-        """Before serving: time a lone decode step (`TargetCost.step_s`), which rounds of
-        blocks never show, and blocks of a few sizes, which anchor the step fit."""
-        timed = await self.model_thread.run(self._time_forwards, (1, *_ANCHOR_ROWS))
-        self._step_s = timed[0]
-        for rows, seconds in zip(_ANCHOR_ROWS, timed[1:], strict=True):
-            self.step_cost.anchor(rows, seconds, _ANCHOR_WEIGHT)
+        """Before serving: time a lone decode step on a scratch session (`TargetCost.
+        step_s`), which rounds of blocks never show."""
+        self._step_s = await self.model_thread.run(self._time_step)
 
-    def _time_forwards(self, row_counts: tuple[int, ...]) -> list[float]:
+    def _time_step(self) -> float:
         lm, key = self.target.lm, _SCRATCH_SESSION
         prompt = [1 + i % (lm.vocab_size - 1) for i in range(_SCRATCH_PROMPT_TOKENS)]
         if self.threads is not None:
             lm.set_threads(self.threads.for_round(1, cloud_decodes_alone=True))
-        timed = []
+        seconds = []
         with torch.inference_mode():
             lm.open(key, prompt, scope=key)  # its own scope: no edge's session adopts it
             try:
-                for rows in row_counts:
-                    seconds = []
-                    for _ in range(_TIMING_REPEATS + 1):
-                        started = time.perf_counter()
-                        lm.forward_new([(key, prompt[:rows])], keep_rows=[rows])
-                        seconds.append(time.perf_counter() - started)
-                        lm.truncate(key, len(prompt))
-                    timed.append(statistics.median(seconds[1:]))
+                for _ in range(_STEP_REPEATS + 1):
+                    started = time.perf_counter()
+                    lm.forward_new([(key, prompt[:1])], keep_rows=[1])
+                    seconds.append(time.perf_counter() - started)
+                    lm.truncate(key, len(prompt))
             finally:
                 lm.close(key)
-        return timed
+        return statistics.median(seconds[1:])
 
     async def stop(self) -> None:
         await self.actor.stop()

@@ -46,35 +46,6 @@ class ForwardCost:
     _sum_keys2: float = 0.0
     _sum_rows_keys: float = 0.0
     _sum_keys_s: float = 0.0
-    # Forwards measured once (`anchor`), which never fade: (weight, rows, seconds, rows²,
-    # rows × seconds), summed.
-    _anchored: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
-
-    def anchor(self, rows: int, seconds: float, weight: float) -> None:
-        """A forward measured at start-up that counts in `fit` as ``weight`` recent forwards
-        and never fades. Where the recent forwards all have the same rows (a lone request's
-        blocks of one γ), their line is not identified, and an edge told no cost keeps the
-        configured γ and never pauses, so the rows never vary: anchors of a few row counts
-        break that circle from the first session on."""
-        w, r, t, r2, rt = self._anchored
-        self._anchored = (
-            w + weight,
-            r + weight * rows,
-            t + weight * seconds,
-            r2 + weight * rows * rows,
-            rt + weight * rows * seconds,
-        )
-
-    def _sums(self) -> tuple[float, float, float, float, float]:
-        """(weight, rows, seconds, rows², rows × seconds) of the recent and anchored forwards."""
-        w, r, t, r2, rt = self._anchored
-        return (
-            self._weight + w,
-            self._sum_rows + r,
-            self._sum_s + t,
-            self._sum_rows2 + r2,
-            self._sum_rows_s + rt,
-        )
 
     def observe(self, rows: int, seconds: float, keys: int = 0) -> None:
         """One forward: the rows it was fed, its seconds, and the keys its rows attended
@@ -134,10 +105,9 @@ class ForwardCost:
         return fitted if fitted[1] > 0.0 else None
 
     def _rows_variance(self) -> float:
-        """The weighted variance of the row counts (call only with rows measured)."""
-        weight, rows, _, rows2, _ = self._sums()
-        mean_rows = rows / weight
-        return rows2 / weight - mean_rows * mean_rows
+        """The weighted variance of recent row counts (call only with rows measured)."""
+        mean_rows = self._sum_rows / self._weight
+        return self._sum_rows2 / self._weight - mean_rows * mean_rows
 
     def fit(self) -> tuple[float, float] | None:
         """(base_s, per_row_s); None before any forward with rows.
@@ -147,14 +117,14 @@ class ForwardCost:
         origin, which overstates the per-row cost. The budget it gives is smaller than the
         truth, and its smaller chunks vary the rows enough for the real fit.
         """
-        weight, rows, seconds, _, rows_s = self._sums()
-        if weight <= 0.0 or rows <= 0.0:
+        if self._weight <= 0.0 or self._sum_rows <= 0.0:
             return None
-        mean_rows, mean_s = rows / weight, seconds / weight
+        mean_rows = self._sum_rows / self._weight
+        mean_s = self._sum_s / self._weight
         variance = self._rows_variance()
         if variance < _MIN_ROWS_VARIANCE:
             return 0.0, mean_s / mean_rows
-        per_row_s = (rows_s / weight - mean_rows * mean_s) / variance
+        per_row_s = (self._sum_rows_s / self._weight - mean_rows * mean_s) / variance
         return max(0.0, mean_s - per_row_s * mean_rows), per_row_s
 
 

@@ -31,8 +31,7 @@ SmartSpec's γ = 0 is the pause (``speculation_pays``): the cloud decoding a req
 one token in each of its rounds of ``base + row × batch`` (a lone session's: ``step_s``,
 timed apart, since one row runs on another path than several on a CPU), against the best
 γ's tokens per cycle. Paused, no block says whether the draft got better, so the record
-fades with the rounds decoded paused (``fade``) until speculation is tried again. A
-round of half the batch costs a little more than a decode step of all of it
+fades with the rounds decoded paused (``fade``) until speculation is tried again. A round of half the batch costs a little more than a decode step of all of it
 where rows ride nearly free, so in the pipeline a block has to average somewhat more than
 two tokens to win. The embedded draft's average 1.8-2.2 on that machine, and there
 asymspec made 0.82-1.01× target-only at 16 chats (median 0.89), and

@@ -43,31 +43,6 @@ def test_the_identified_fit_needs_varied_rows() -> None:
     assert noise.fit() is not None and noise.identified_fit() is None
 
 
-def test_anchored_forwards_count_and_never_fade() -> None:
-    """A lone request's blocks of one γ cannot identify a line alone; the start-up anchors
-    can, from before the first forward, and they never fade (the EPYC's llama.cpp Q8_0
-    figures: 2 rows 14.4 ms, 9 rows 30.6 ms)."""
-    cost = ForwardCost(half_life_forwards=4.0)
-    cost.anchor(2, 0.0144, weight=2.0)
-    cost.anchor(9, 0.0306, weight=2.0)
-    slope = (0.0306 - 0.0144) / 7
-    assert cost.identified_fit() == pytest.approx((0.0144 - 2 * slope, slope))
-    for _ in range(200):  # fifty half-lives of 5-row blocks
-        cost.observe(5, 0.0300)
-    assert cost_of(*[(5, 0.0300)] * 200).identified_fit() is None  # alone: no line
-    base_s, row_s = cost.identified_fit() or (math.nan, math.nan)
-    # weights: 2 at 2 rows, 2 at 9 and the recent forwards' 1 / (1 - 2^(-1/4)) at 5
-    recent = 1 / (1 - 0.5**0.25)
-    weights, rows, secs = (2.0, 2.0, recent), (2, 9, 5), (0.0144, 0.0306, 0.0300)
-    total = sum(weights)
-    mean_r = sum(w * r for w, r in zip(weights, rows, strict=True)) / total
-    mean_s = sum(w * t for w, t in zip(weights, secs, strict=True)) / total
-    cov = sum(w * (r - mean_r) * (t - mean_s) for w, r, t in zip(weights, rows, secs, strict=True))
-    var = sum(w * (r - mean_r) ** 2 for w, r in zip(weights, rows, strict=True))
-    assert row_s == pytest.approx(cov / var, rel=1e-6)
-    assert base_s == pytest.approx(mean_s - row_s * mean_r, rel=1e-6)
-
-
 def test_a_negative_intercept_is_clipped_to_zero() -> None:
     fitted = cost_of((10, 0.005), (20, 0.030)).fit()
     assert fitted is not None
