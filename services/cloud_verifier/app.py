@@ -79,7 +79,6 @@ async def _load(state: CloudState) -> None:
         threads=s.forward_threads(),
         model_thread=model_thread,
     )
-    await state.batcher.calibrate()
     state.batcher.start()
     state.channel = ChannelServer(s, state.batcher, state.metrics, state.identities, constraints)
     channel = state.channel

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
-import statistics
 import time
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
@@ -110,15 +109,6 @@ class _Job:
         return 1 if self.generates else 0
 
 
-# A lone session's decode step (`TargetCost.step_s`): timed at start-up on a scratch
-# session (the median of a few, after an untimed one), then followed over the one-row
-# rounds that run, exponentially weighted with this weight on the newest.
-_STEP_REPEATS = 5
-_STEP_NEWEST_WEIGHT = 0.05
-_SCRATCH_SESSION = "\0calibration"  # no session key an edge can make
-_SCRATCH_PROMPT_TOKENS = 64
-
-
 @dataclass(slots=True)
 class _Generation:
     """A target-only generation held in every round until it ends; owned by the actor
@@ -193,8 +183,7 @@ class Batcher:
         # 26, a 150-row prompt 125): a fit that takes prompt chunks in sees rows as cheap
         # and a fixed cost as dear, and would keep speculating where decoding alone is faster.
         self.step_cost = ForwardCost()
-        self._step_line: tuple[float, float] | None = None  # the last told apart (target_cost)
-        self._step_s: float | None = None  # a lone decode step (`calibrate`, one-row rounds)
+        self._step_fit: TargetCost | None = None  # the last one told apart (target_cost)
         self.metrics = metrics
         metrics.forward_base_seconds.set_function(lambda: self._fitted_cost()[0])
         metrics.forward_row_seconds.set_function(lambda: self._fitted_cost()[1])
@@ -223,29 +212,6 @@ class Batcher:
     def start(self) -> None:
         self.actor.start(self._run())
 
-    async def calibrate(self) -> None:
-        """Before serving: time a lone decode step on a scratch session (`TargetCost.
-        step_s`), which rounds of blocks never show."""
-        self._step_s = await self.model_thread.run(self._time_step)
-
-    def _time_step(self) -> float:
-        lm, key = self.target.lm, _SCRATCH_SESSION
-        prompt = [1 + i % (lm.vocab_size - 1) for i in range(_SCRATCH_PROMPT_TOKENS)]
-        if self.threads is not None:
-            lm.set_threads(self.threads.for_round(1, cloud_decodes_alone=True))
-        seconds = []
-        with torch.inference_mode():
-            lm.open(key, prompt, scope=key)  # its own scope: no edge's session adopts it
-            try:
-                for _ in range(_STEP_REPEATS + 1):
-                    started = time.perf_counter()
-                    lm.forward_new([(key, prompt[:1])], keep_rows=[1])
-                    seconds.append(time.perf_counter() - started)
-                    lm.truncate(key, len(prompt))
-            finally:
-                lm.close(key)
-        return statistics.median(seconds[1:])
-
     async def stop(self) -> None:
         await self.actor.stop()
         self.model_thread.shutdown()
@@ -257,13 +223,8 @@ class Batcher:
         nothing would resume speculating only to learn again that it does not pay."""
         fit = self.step_cost.identified_fit()
         if fit is not None:
-            self._step_line = fit
-        if self._step_line is None:
-            return None
-        base_s, row_s = self._step_line
-        # not calibrated (a batcher run without its service's start-up): the line's one row
-        step_s = base_s + row_s if self._step_s is None else self._step_s
-        return TargetCost(base_s, row_s, step_s)
+            self._step_fit = TargetCost(*fit)
+        return self._step_fit
 
     def _fitted_cost(self) -> tuple[float, float]:
         """(base_s, per_row_s) for the gauges, NaN before any forward."""
@@ -615,9 +576,6 @@ class Batcher:
         self.cost.observe(fed, elapsed_s, keys)
         if not prefills:
             self.step_cost.observe(fed, elapsed_s, keys)
-            if fed == 1 and self._step_s is not None:
-                w = _STEP_NEWEST_WEIGHT
-                self._step_s = (1.0 - w) * self._step_s + w * elapsed_s
         kind = "verify" if verify_jobs else "decode" if steps or constrained else "prefill"
         self._observe_forward(kind, len(scores) + len(steps), started)
         for (_, chunk), features in zip(starting, done.prefill_features, strict=True):

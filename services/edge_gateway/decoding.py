@@ -479,8 +479,8 @@ class _RequestState:
         again (`_still_paused`), and if so asks the cloud to stop: the generation ends a
         token or two later, and each token it sent stays confirmed (each is a sample of p).
         The draft's cache falls behind meanwhile; the next block feeds it what it missed."""
-        engine, channel, metrics = self.engine, self.channel, self.engine.metrics
-        look_every = engine.settings.paused_look_tokens
+        channel, metrics = self.channel, self.engine.metrics
+        look_every = self.engine.settings.paused_look_tokens
         stop = np.asarray(sorted(self.request.stop_token_ids), dtype=np.uint32)
         tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
         queue = channel.stream(self.session_id)
@@ -494,8 +494,6 @@ class _RequestState:
                     self._confirm([token])
                     metrics.cloud_decoded_tokens.inc()
                     self.request.stats.record_paused(paused, 1)
-                    if paused == "goodput":  # one round's token of each request decoding
-                        engine.goodput_gamma.fade(1.0 / max(1, engine.decoding))
                     yield token
                 max_tokens -= len(frame.tokens)
                 unseen += len(frame.tokens)

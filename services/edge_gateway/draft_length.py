@@ -28,10 +28,8 @@ goodput"), with the cost split between the two machines:
   longer of the two.
 
 SmartSpec's γ = 0 is the pause (``speculation_pays``): the cloud decoding a request alone,
-one token in each of its rounds of ``base + row × batch`` (a lone session's: ``step_s``,
-timed apart, since one row runs on another path than several on a CPU), against the best
-γ's tokens per cycle. Paused, no block says whether the draft got better, so the record
-fades with the rounds decoded paused (``fade``) until speculation is tried again. A round of half the batch costs a little more than a decode step of all of it
+one token in each of its rounds of ``base + row × batch``, against the best γ's tokens per
+cycle. A round of half the batch costs a little more than a decode step of all of it
 where rows ride nearly free, so in the pipeline a block has to average somewhat more than
 two tokens to win. The embedded draft's average 1.8-2.2 on that machine, and there
 asymspec made 0.82-1.01× target-only at 16 chats (median 0.89), and
@@ -100,22 +98,6 @@ class GoodputDraftLength:
         self._suffix_accepted = self._suffix_accepted * decay + n_accepted
         self._suffix_rejected = self._suffix_rejected * decay + (n_accepted < gamma)
 
-    def fade(self, rounds: float) -> None:
-        """The goodput pause held for ``rounds`` of the cloud's decoding: what the blocks
-        said fades as that many blocks would, with no block to replace it. Paused, no block
-        is seen, and a pause that α alone decided would otherwise hold for good, however
-        the traffic changed (conversations that begin to repeat themselves, a cooler
-        temperature); once fewer than a few blocks' worth remain, α is unknown again, and
-        speculation resumes until the blocks say anew (at the default half-life of 64, after
-        about 225 rounds paused)."""
-        decay = 0.5 ** (rounds / self.half_life_blocks)
-        self._blocks *= decay
-        self._accepted *= decay
-        self._rejected *= decay
-        self._suffix_blocks *= decay
-        self._suffix_accepted *= decay
-        self._suffix_rejected *= decay
-
     @property
     def suffix_acceptance(self) -> float | None:
         """α_s: accepted suffix tokens over suffix tokens tested."""
@@ -148,7 +130,7 @@ class GoodputDraftLength:
                 return best + 1 if sum(probs) >= self.min_suffix_expected else 0
             alternative = max(model)
         else:
-            alternative = 1.0 / cost.decode_round_s(batch)
+            alternative = 1.0 / (cost.base_s + cost.row_s * batch)
         return best + 1 if rates[best] >= alternative else 0
 
     @property
@@ -178,7 +160,7 @@ class GoodputDraftLength:
         rates, cost = self._rates(batch), self.target_cost
         if rates is None or cost is None:
             return True
-        decode_s = cost.decode_round_s(batch)
+        decode_s = cost.base_s + cost.row_s * batch
         return max(rates) * decode_s >= 1.0
 
     def _rates(self, batch: int) -> list[float] | None:

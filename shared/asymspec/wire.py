@@ -78,8 +78,7 @@ from asymspec.sampling_params import NO_PENALTIES, Penalties, SamplingParams
 
 # 2: the OpenSession prompt travels zlib-compressed; 3: features; 4: SessionOpened.target_cost;
 # 5: GenerateRequest.committed_tail (a speculative session handed to the cloud's decoding);
-# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar); 7: StopGeneration,
-# TargetCost.step_s
+# 6: the sampling config's extras (min-p, logit bias, penalties, a grammar); 7: StopGeneration
 PROTOCOL_VERSION = 7
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024  # a full-upload block at γ=8, |V|=152k is ~2.4 MB
 MAX_PROMPT_TOKENS = 1 << 20  # a decompressed prompt may not exceed this (zip-bomb guard)
@@ -228,19 +227,10 @@ class BlockId:
 @dataclass(frozen=True, slots=True)
 class TargetCost:
     """The verifier's fitted forward cost, ``base_s + row_s × rows`` (its batcher's online
-    fit), and what a lone session's decode step costs, ``step_s`` (measured apart: one row
-    runs on another path than several on a CPU, and blocks of several rows are what the
-    fit mostly sees; llama.cpp Q8_0 on 2 EPYC cores: 6.5 ms, where the line through 3- to
-    9-row blocks says ~17). What the edge needs to choose γ and the pause for goodput
-    (``edge_gateway.draft_length``)."""
+    fit): what the edge needs to choose γ for goodput (``edge_gateway.draft_length``)."""
 
     base_s: float
     row_s: float
-    step_s: float
-
-    def decode_round_s(self, batch: int) -> float:
-        """A round of ``batch`` sessions' decode steps, one row each."""
-        return self.step_s if batch <= 1 else self.base_s + self.row_s * batch
 
 
 # --- messages --------------------------------------------------------------------------------
@@ -367,7 +357,7 @@ class SessionOpened(_Wire):
             self.session_id,
             self.prefix_len,
             _features(self.features),
-            None if cost is None else [cost.base_s, cost.row_s, cost.step_s],
+            None if cost is None else [cost.base_s, cost.row_s],
         ]
 
 
@@ -877,11 +867,11 @@ def _session_opened(f: _Fields) -> SessionOpened:
     if f.peek_none():
         f.skip()
     else:
-        fit = f.nested(3, "SessionOpened target_cost")
-        base_s, row_s, step_s = fit.real(), fit.real(), fit.real()
-        if min(base_s, row_s, step_s) < 0.0:
-            raise _malformed(f"SessionOpened target_cost ({base_s}, {row_s}, {step_s}) is negative")
-        cost = TargetCost(base_s, row_s, step_s)
+        fit = f.nested(2, "SessionOpened target_cost")
+        base_s, row_s = fit.real(), fit.real()
+        if base_s < 0.0 or row_s < 0.0:
+            raise _malformed(f"SessionOpened target_cost ({base_s}, {row_s}) is negative")
+        cost = TargetCost(base_s, row_s)
     return SessionOpened(session_id, prefix_len, features, cost)
 
 

@@ -107,7 +107,7 @@ def sample_messages() -> list[Message]:
         SessionOpened(3, 4),
         SessionOpened(3, 4, FEATURES[:3]),  # h of positions 0 .. 2 (the prompt's all but last)
         SessionOpened(3, 1, FEATURES[:0]),  # a one-token prompt: no position fed
-        SessionOpened(3, 4, None, TargetCost(0.034, 0.0017, 0.0081)),  # the verifier's fitted cost
+        SessionOpened(3, 4, None, TargetCost(0.034, 0.0017)),  # the verifier's fitted cost
         OpenSession(7, u32(1, 2), SAMPLING, wants_features=True),
         OpenSession(8, u32(1, 2), CONSTRAINED),  # the whole transform: extras and a grammar
         CloseSession(3),
