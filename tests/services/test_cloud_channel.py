@@ -351,11 +351,13 @@ def test_a_stop_ends_a_generation_and_a_stop_without_one_is_dropped(
             done = frame.done
         await channel.send(GenerateRequest(42, 3, none, none))
         after: list[int] = []
+        done = False
         while len(after) < 3:
             frame = await asyncio.wait_for(stream.get(), 30)
             assert isinstance(frame, GenerateTokens), frame
             after += [int(t) for t in frame.tokens]
-        assert frame.done and unknown.empty()
+            done = frame.done
+        assert done and unknown.empty()
         return stopped, after
 
     stopped, after = with_channel(cloud, body)
