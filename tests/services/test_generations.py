@@ -32,6 +32,12 @@ def session_with_prompt(session_id: int, prompt: list[int]) -> Session:
     return dataclasses.replace(greedy_cloud_session(session_id), confirmed=list(prompt))
 
 
+def greedy_next(target: RecordingTarget, chain: list[int]) -> int:
+    """The target's most likely token after ``chain``, by full recompute."""
+    model = target.lm.model  # type: ignore[attr-defined]
+    return int(full_logits(model, chain)[-1].argmax())
+
+
 async def collect(
     batcher: Batcher,
     session: Session,
@@ -69,12 +75,11 @@ def test_concurrent_generations_share_every_round_and_follow_the_greedy_chain() 
         return outs
 
     outs = asyncio.run(run())
-    model = target.lm.model  # type: ignore[attr-defined]
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out) == 6
         chain = list(prompt)
         for token in out:  # each token is the argmax after the prompt and the tokens before
-            assert token == int(full_logits(model, chain)[-1].argmax())
+            assert token == greedy_next(target, chain)
             chain.append(token)
     rows = [others for _, others in target.rounds]
     # submitted in one event-loop turn, the three share all six rounds, one row each, however
@@ -205,10 +210,6 @@ def test_a_stopped_generation_ends_within_two_rounds_and_the_session_takes_block
     target = RecordingTarget()
     batcher = new_batcher(target)
     session = session_with_prompt(1, [4, 8, 15])
-    model = target.lm.model  # type: ignore[attr-defined]
-
-    def argmax(chain: list[int]) -> int:
-        return int(full_logits(model, chain)[-1].argmax())
 
     async def run() -> tuple[list[Decoded], int, int, int]:
         batcher.start()
@@ -220,7 +221,7 @@ def test_a_stopped_generation_ends_within_two_rounds_and_the_session_takes_block
         batcher.stop_generation(session)
         decoded += [d async for d in generation]
         rounds = len(target.rounds)
-        right = argmax(session.confirmed)
+        right = greedy_next(target, session.confirmed)
         accepted = await batcher.verify(session, block_of(session, 1, [right], []))
         await batcher.stop()
         return decoded, rounds_at_stop, rounds, accepted.n_accepted
@@ -230,7 +231,7 @@ def test_a_stopped_generation_ends_within_two_rounds_and_the_session_takes_block
     assert [d.last for d in decoded] == [False] * (len(decoded) - 1) + [True]
     chain = [4, 8, 15]
     for d in decoded:
-        assert d.token == argmax(chain)
+        assert d.token == greedy_next(target, chain)
         chain.append(d.token)
     assert n_accepted == 1 and not session.generating
 
@@ -251,10 +252,6 @@ def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
     target = RecordingTarget()
     batcher = new_batcher(target)
     session = session_with_prompt(1, [4, 8, 15])
-    model = target.lm.model  # type: ignore[attr-defined]
-
-    def argmax(chain: list[int]) -> int:
-        return int(full_logits(model, chain)[-1].argmax())
 
     async def first_of(generation: AsyncGenerator[Decoded, None]) -> Decoded:
         return await anext(generation)
@@ -262,10 +259,10 @@ def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
     async def run() -> tuple[int, list[int], int]:
         batcher.start()
         await batcher.prefill(session)
-        wrong = (argmax(session.confirmed) + 1) % target.vocab_size
+        wrong = (greedy_next(target, session.confirmed) + 1) % target.vocab_size
         first = block_of(session, 1, [wrong], [])
         rejected = await batcher.verify(session, first)
-        recovered = argmax(session.confirmed)  # what the edge recovers (greedy p)
+        recovered = greedy_next(target, session.confirmed)  # what the edge recovers (greedy p)
         with pytest.raises(WireError) as no_tail:
             await first_of(batcher.generate(session, 4))
         assert no_tail.value.code is ErrorCode.STALE_BLOCK
@@ -279,7 +276,7 @@ def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
         assert twice.value.code is ErrorCode.DUPLICATE
         decoded += [d.token async for d in generation]
         assert len(decoded) == 8 and not session.generating
-        right = argmax(session.confirmed)
+        right = greedy_next(target, session.confirmed)
         accepted = await batcher.verify(session, block_of(session, 2, [right], []))
         await batcher.stop()
         return rejected.n_accepted, [recovered, *decoded], accepted.n_accepted
@@ -288,6 +285,6 @@ def test_a_speculative_session_goes_to_the_clouds_decoding_and_back() -> None:
     assert n_rejected == 0 and n_accepted == 1
     chain = [4, 8, 15]
     for token in tokens:  # the recovered token, then the cloud's greedy chain after it
-        assert token == argmax(chain)
+        assert token == greedy_next(target, chain)
         chain.append(token)
     assert session.confirmed[: len(chain)] == chain
