@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -51,6 +52,7 @@ from edge_gateway.constrained_draft import propose_constrained
 from edge_gateway.draft_length import GoodputDraftLength
 from edge_gateway.engine_api import GenerationError, GenerationRequest
 from edge_gateway.metrics import EdgeMetrics
+from edge_gateway.mode_rates import batch_bucket
 from edge_gateway.replicas import CloudReplicas
 from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
@@ -153,11 +155,17 @@ class SpeculativeEngine:
         self.constraints = constraints or ConstraintBuilder(None, scheduler.draft.lm.vocab_size)
         self.ladder: Ladder = settings.ladder()
         self.session_ids = _session_ids()
-        self.goodput_gamma = GoodputDraftLength(
-            settings.max_num_draft_tokens,
-            pipelined=mode.pipelines,
-            min_suffix_expected=settings.suffix_min_expected_tokens,
-        )
+        # The goodput rule's measurements per sampling regime, greedy or not: a draft agrees
+        # with a greedy target far more often than with a sampled one, so a mixed load would
+        # price (and pause) each with the other's acceptance and rates.
+        self.goodput = {
+            greedy: GoodputDraftLength(
+                settings.max_num_draft_tokens,
+                pipelined=mode.pipelines,
+                min_suffix_expected=settings.suffix_min_expected_tokens,
+            )
+            for greedy in (True, False)
+        }
         self.suffix = self._suffix_drafter(settings, mode, scheduler)
         # Requests from their open to their end: the batch the pause and goodput rules
         # size. One counts while its sessions open, so that a burst of arrivals sees itself.
@@ -186,19 +194,15 @@ class SpeculativeEngine:
         half = rows.half().numpy() if self.mode.uploads_full_rows else None  # one-hot: exact
         return Draft(ids, np.ones(gamma, dtype=np.float32), rows, half)
 
-    def speculates(self) -> bool:
-        """Whether a request drafts its next block now, or lets the cloud decode for it:
-        the batch limit (``speculative_disable_by_batch_size``), then the goodput rule's
-        pause where it applies."""
-        return self.pause_reason() is None
-
-    def pause_reason(self) -> str | None:
-        """Why requests do not speculate now ("batch_size", "goodput"), or None."""
+    def pause_reason(self, greedy: bool) -> str | None:
+        """Why requests (greedy or not) do not draft their next blocks now, but let the
+        cloud decode for them, or None: the batch limit (``speculative_disable_by_batch_size``),
+        then the goodput pause where it applies."""
         settings, batch = self.settings, self.decoding
         if not settings.speculates_at(batch):
             return "batch_size"
         goodput = settings.goodput_pause and settings.draft_length.maximises_goodput
-        if goodput and self.mode.pipelines and not self.goodput_gamma.speculation_pays(batch):
+        if goodput and self.mode.pipelines and not self.goodput[greedy].speculation_pays(batch):
             return "goodput"
         return None
 
@@ -284,6 +288,8 @@ class _RequestState:
         self.constraint = engine.constraints.build(config, request.prompt_ids)
         # Feeding the draft what it missed while the request did not draft (`_catch_up`)
         self.catching_up: asyncio.Task[None] | None = None
+        self.output_s = time.perf_counter()  # when the request's last tokens came (`_measure`)
+        self.goodput = engine.goodput[request.params.is_greedy]  # its regime's
 
     async def open_both(self) -> None:
         """Open the cloud's session and the draft's. A token draft opens alongside the
@@ -326,7 +332,8 @@ class _RequestState:
             try:
                 opened = await channel.open_session(message)
                 if opened.target_cost is not None:
-                    engine.goodput_gamma.target_cost = opened.target_cost
+                    for goodput in engine.goodput.values():
+                        goodput.target_cost = opened.target_cost
                 self._log_prompt_features(opened)
                 return
             except ChannelDown:
@@ -349,6 +356,7 @@ class _RequestState:
         return draw_uniform(self.generator)
 
     async def run(self) -> AsyncIterator[list[int]]:
+        self.output_s = time.perf_counter()
         try:
             async for tokens in self._blocks():
                 yield tokens
@@ -384,19 +392,41 @@ class _RequestState:
         speculating = self.next_draft is not None or paused is None
         suffix = self._suffix_block(remaining, speculating) if self._takes_suffix_blocks else None
         if suffix is not None:
-            yield await self._one_block(len(suffix.tokens), suffix)
+            block = await self._one_block(len(suffix.tokens), suffix)
+            self._measure(None, len(block))
+            yield block
             return
         if not speculating:
             assert paused is not None
             decoded = self._cloud_decoded(remaining, paused)
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
+                    self._measure(False, 1)
                     yield [token]
             return
         gamma = self._next_gamma()
         if gamma > remaining - 1 and self.request.num_draft_tokens:
             self.request.stats.record_shortened("max_tokens")
-        yield await self._one_block(max(1, min(gamma, remaining - 1)))
+        block = await self._one_block(max(1, min(gamma, remaining - 1)))
+        self._measure(True, len(block))
+        yield block
+
+    def _measure(self, speculating: bool | None, n_tokens: int) -> None:
+        """The time since the request's last tokens went to these ``n_tokens``, from a
+        draft model's block (``speculating``) or the cloud decoding alone; a suffix block's
+        (None) are its own rule's, and stay out of the rates the pause compares."""
+        now_s, engine = time.perf_counter(), self.engine
+        if speculating is not None:
+            batch, seconds = engine.decoding, now_s - self.output_s
+            per_s = self.goodput.measured.observe(batch, speculating, n_tokens, seconds)
+            if per_s is not None and math.isfinite(per_s):
+                labels = {
+                    "source": "speculating" if speculating else "decoding",
+                    "sampling": "greedy" if self.request.params.is_greedy else "sampled",
+                    "batch": str(batch_bucket(batch)),
+                }
+                engine.metrics.mode_tokens_per_s.labels(**labels).set(per_s)
+        self.output_s = now_s
 
     @property
     def _takes_suffix_blocks(self) -> bool:
@@ -422,7 +452,7 @@ class _RequestState:
             return "request"
         if self.request.logprobs is not None:
             return "logprobs"  # they live at the cloud: it samples every token
-        return self.engine.pause_reason()
+        return self.engine.pause_reason(self.request.params.is_greedy)
 
     def _draft_ready(self) -> bool:
         """Whether the draft can draft the next block: it is at most a prefill chunk behind
@@ -468,7 +498,7 @@ class _RequestState:
         # gives the same text again: the store holds whatever others wrote meanwhile.
         seeded = self.request.seed is not None
         proposal = engine.suffix.propose(self.confirmed, limit, use_store=not seeded)
-        gamma = engine.goodput_gamma.suffix_tokens(proposal.probs, engine.decoding, speculating)
+        gamma = self.goodput.suffix_tokens(proposal.probs, engine.decoding, speculating)
         return list(proposal.tokens[:gamma])
 
     async def _cloud_decoded(self, max_tokens: int, paused: str) -> AsyncGenerator[int, None]:
@@ -628,7 +658,7 @@ class _RequestState:
             metrics.suffix_drafts.inc()
             metrics.suffix_draft_tokens.inc(gamma)
             metrics.suffix_accepted.inc(n)
-            engine.goodput_gamma.observe_suffix_block(gamma, n)
+            self.goodput.observe_suffix_block(gamma, n)
             return [*accepted, new_token]
         if self.features is None:
             # The accepted part of what the draft fed stays; the next propose drops the rest
@@ -641,7 +671,7 @@ class _RequestState:
             # one's guesses, so the count stays where that block's started.
             if not from_runahead:
                 self.draft_confirmed = base_len
-        engine.goodput_gamma.observe_block(gamma, n, draft_s)
+        self.goodput.observe_block(gamma, n, draft_s)
         self._adapt_gamma(gamma, n)
         return [*accepted, new_token]
 
@@ -657,7 +687,7 @@ class _RequestState:
         engine = self.engine
         if self.request.num_draft_tokens or not engine.settings.draft_length.maximises_goodput:
             return self.gamma
-        return engine.goodput_gamma.choose(engine.decoding, self.gamma)
+        return self.goodput.choose(engine.decoding, self.gamma)
 
     def _adapt_gamma(self, gamma: int, n_accepted: int) -> None:
         """Online per-request γ (SPADE's draft length, adapted as acceptance is observed):

@@ -35,6 +35,11 @@ two tokens to win. The embedded draft's average 1.8-2.2 on that machine, and the
 asymspec made 0.82-1.01× target-only at 16 chats (median 0.89), and
 with the pause 0.90-1.10× (median 0.96).
 
+Where both are measured, the pause follows what speculating and the cloud decoding alone
+have actually given requests at a batch size (``mode_rates``): this model leaves out
+serving work outside the forward and rows that do not cost linearly, and a lone request
+never gives the verifier's fit the varied rows it needs. γ stays this model's.
+
 α and the draft's time per token are exponentially weighted over recent blocks of every
 request on this edge; until the verifier has sent a cost and a few blocks have been seen,
 the configured γ stands and speculation goes on.
@@ -54,9 +59,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asymspec.wire import TargetCost
+from edge_gateway.mode_rates import ModeRates
 
 _MIN_BLOCKS = 8.0  # (weighted) blocks seen before α is trusted
 
@@ -79,6 +85,7 @@ class GoodputDraftLength:
     _suffix_blocks: float = 0.0
     _suffix_accepted: float = 0.0
     _suffix_rejected: float = 0.0
+    measured: ModeRates = field(default_factory=ModeRates)  # the pause's, once measured
 
     def observe_block(self, gamma: int, n_accepted: int, draft_s: float | None) -> None:
         """A verdict: ``n_accepted`` of ``gamma`` drafts, drafted in ``draft_s`` (None: a
@@ -153,6 +160,13 @@ class GoodputDraftLength:
         return max(range(1, self.max_gamma + 1), key=lambda gamma: rates[gamma - 1])
 
     def speculation_pays(self, open_requests: int) -> bool:
+        """Whether speculating gives a request more tokens per second than the cloud
+        decoding it alone, with ``open_requests`` decoding: as measured (``measured``), or
+        where neither is yet, as the model says (`model_says_speculation_pays`)."""
+        model_says = self.model_says_speculation_pays(open_requests)
+        return self.measured.speculates(open_requests, model_says)
+
+    def model_says_speculation_pays(self, open_requests: int) -> bool:
         """Whether the best γ's expected tokens per second for a request beat the cloud
         decoding it alone in rounds of ``open_requests`` (SmartSpec's γ = 0); True while
         anything is unknown."""

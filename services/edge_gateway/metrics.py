@@ -97,6 +97,7 @@ class EdgeMetrics:
     | suffix_draft_tokens | asymspec_spec_decode_num_suffix_draft_tokens_total | tokens | engine |
     | suffix_accepted | ..._num_suffix_accepted_tokens_total | tokens | engine |
     | cloud_decoded_tokens | asymspec_cloud_decoded_tokens_total | tokens (paused) | engine |
+    | mode_tokens_per_s | asymspec_pause_measured_tokens_per_second | tokens/s | engine |
     | cloud_connected | asymspec_cloud_connected | connected replicas (0/1 with one) | channel |
     | session_reopens | asymspec_cloud_session_reopens_total | after a lost cloud | engine |
     | requests_rejected | asymspec_request_rejected_total | reason=auth/overload/slow_body | app |
@@ -136,6 +137,7 @@ class EdgeMetrics:
     suffix_draft_tokens: Counter
     suffix_accepted: Counter
     cloud_decoded_tokens: Counter
+    mode_tokens_per_s: Family[Gauge]
     cloud_connected: Gauge
     session_reopens: Counter
     requests_rejected: Family[Counter]
@@ -287,6 +289,13 @@ class EdgeMetrics:
                 "Tokens of speculative requests the cloud decoded alone while speculation "
                 "was paused (the batch above speculative_disable_by_batch_size, the goodput "
                 "rule's pause, or the draft catching up).",
+            ),
+            mode_tokens_per_s=f.gauge_family2(
+                "asymspec_pause_measured_tokens_per_second",
+                "One request's tokens per second as the goodput pause measures them, "
+                "speculating or the cloud decoding alone, greedy or sampled, by batch size "
+                "(its bucket's top).",
+                ("source", "sampling", "batch"),
             ),
             cloud_connected=f.gauge(
                 "asymspec_cloud_connected",

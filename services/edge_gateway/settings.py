@@ -185,10 +185,10 @@ class EdgeSettings(RuntimeSettings):
     )
     goodput_pause: bool = Field(
         True,
-        description="With goodput γ in a pipelined mode: speculation pauses while the same "
-        "model says the cloud decoding alone gives a request more tokens per second than "
-        "the best γ (SmartSpec's γ = 0; edge_gateway.draft_length), as it does above "
-        "speculative_disable_by_batch_size.",
+        description="With goodput γ in a pipelined mode: speculation pauses while the cloud "
+        "decoding alone gives a request more tokens per second than speculating, as measured "
+        "per batch size (edge_gateway.mode_rates; the goodput model until both are), as it "
+        "does above speculative_disable_by_batch_size.",
     )
     fidelity_budget: float = Field(
         0.0, ge=0.0, le=1.0, description="Default ε_req per request; 0 = every correction exact."

@@ -96,6 +96,11 @@ class MetricFactory:
         parent = Counter(name, doc, [*self.fixed, *labels], registry=self.registry)
         return Family(parent, self.fixed)
 
+    def gauge_family2(self, name: str, doc: str, labels: Sequence[str]) -> Family[Gauge]:
+        """A gauge with several per-event labels."""
+        parent = Gauge(name, doc, [*self.fixed, *labels], registry=self.registry)
+        return Family(parent, self.fixed)
+
 
 def render_metrics(registry: CollectorRegistry, accept: str = "") -> Response:
     """The registry in the exposition format the scraper's Accept header asks for (the

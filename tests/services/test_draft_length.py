@@ -160,6 +160,20 @@ def test_rows_at_full_price_never_pay_for_a_crowd() -> None:
     assert not policy.speculation_pays(16)
 
 
+def test_measured_rates_overrule_the_model_once_both_modes_are_measured() -> None:
+    """The model says rows at full price never pay for a crowd; measured at sixteen,
+    speculating gave 160 tokens/s and decoding 80, so speculation goes on there (and the
+    model still decides at eight, unmeasured)."""
+    policy = seen(*[(4, 4)] * 20, (4, 3))
+    policy.pipelined = True
+    policy.target_cost = TargetCost(base_s=0.0, row_s=0.002)
+    policy.measured.observe(16, speculating=True, n_tokens=32, seconds=0.2)
+    assert not policy.speculation_pays(16)  # decoding is explored first
+    policy.measured.observe(16, speculating=False, n_tokens=32, seconds=0.4)
+    assert policy.speculation_pays(16)
+    assert not policy.speculation_pays(8)
+
+
 def test_the_goodput_pause_is_on_by_default_and_can_be_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

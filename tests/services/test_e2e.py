@@ -192,6 +192,36 @@ def test_paused_speculation_keeps_greedy_output(edges: dict[str, Service]) -> No
     assert longest["paused_tokens"]["draft_catching_up"] >= 1, longest
 
 
+def test_the_goodput_pause_measures_both_modes_for_a_lone_request(
+    edges: dict[str, Service],
+) -> None:
+    """The measured pause tries speculating and the cloud decoding alone in turn for lone
+    requests (32 tokens each before it compares them, whatever the goodput model says),
+    shows both rates at batch size 1, and every output equals target-only's."""
+    edge = edges["asymspec-goodput"]
+    bodies = [
+        {"prompt": [*PROMPT_IDS, 90 + i], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        for i in range(6)
+    ]
+    names = ("asymspec_cloud_decoded_tokens_total", "asymspec_spec_decode_num_drafts_total")
+    before = [metric_value(edge, name) for name in names]
+    for body in bodies:
+        expected = complete(edges["target-only"], **body)["choices"][0]["text"]
+        assert complete(edge, **body)["choices"][0]["text"] == expected
+    decoded, blocks = (metric_value(edge, name) - b for name, b in zip(names, before, strict=True))
+    assert decoded >= 32 and blocks >= 8, (decoded, blocks)
+    text = httpx.get(f"{edge.url}/metrics").text
+    rates = {
+        sample.labels["source"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "asymspec_pause_measured_tokens_per_second"
+        and sample.labels["batch"] == "1"
+        and sample.labels["sampling"] == "greedy"
+    }
+    assert set(rates) == {"speculating", "decoding"} and min(rates.values()) > 0, rates
+
+
 def test_the_goodput_pause_hands_a_crowd_to_the_cloud_exactly(edges: dict[str, Service]) -> None:
     """With the goodput pause on, once the edge has seen enough blocks and the verifier's
     fitted cost, eight concurrent greedy requests let the cloud decode for them where the

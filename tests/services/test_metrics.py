@@ -51,6 +51,7 @@ EDGE_NAMES = {
     "asymspec_spec_decode_num_suffix_draft_tokens",
     "asymspec_spec_decode_num_suffix_accepted_tokens",
     "asymspec_cloud_decoded_tokens",
+    "asymspec_pause_measured_tokens_per_second",
     "asymspec_cloud_connected",
     "asymspec_link_message_bytes",
     "asymspec_cloud_session_reopens",

@@ -1,0 +1,105 @@
+"""Whether requests speculate or let the cloud decode alone, from what each has measurably
+given a request on this edge: one request's tokens per second, per batch size.
+
+The goodput model (``draft_length``) prices a block from the verifier's fitted forward
+cost. On a CPU that misprices a lone request three ways: serving work outside the forward
+(the cloud's sampling and channel, the edge's Python) is not in it, and it is what a
+decoded token pays most of (2-core EPYC, llama.cpp Q8_0: the forward alone is 6.5 ms, while
+target-only streams a token every ~10 ms); rows do not cost linearly (1, 2, 5, 9 rows:
+6.5, 14.4, 24.6, 30.6 ms); and a lone request's blocks all have one γ, so the verifier's
+fit never identifies a row's cost at all, and the model never pauses (there T = 0.7
+speculated at ~45-50 tokens/s against ~100 decoding). A wall-clock rate measures all of
+it and needs none of it:
+
+- a mode's rate at a batch size is a ratio of exponentially weighted sums, tokens over
+  seconds, from the end of one of a request's outputs to the end of its next (so a switch's
+  cost, such as the draft catching up, lands on the mode switched to);
+- both modes' sums at a batch size fade with the tokens either produces there (half-life
+  ``half_life_tokens``), so the mode not in use loses weight;
+- a mode with less than ``min_tokens`` of weight is explored: requests at that batch size
+  use it until it has twice that, then the faster mode wins. So the slower one is tried
+  again for ``min_tokens`` tokens or so every few hundred (about ``min_tokens · ln 2 /
+  half_life_tokens`` of the tokens: 2 % at the defaults);
+- at a batch size neither mode has been measured at, the goodput model decides.
+
+Batch sizes above four share a bucket per power of two (5-8, 9-16, ...): rates there move
+slowly with the batch, and each bucket has to be measured before it decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HALF_LIFE_TOKENS = 512.0
+MIN_TOKENS = 16.0
+
+
+@dataclass(slots=True)
+class _Rate:
+    """One mode's weighted sums at one batch size."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    exploring: bool = True  # below min_tokens of weight, until it has twice that
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0.0 else math.inf
+
+
+@dataclass(slots=True)
+class _BatchRates:
+    speculating: _Rate = field(default_factory=_Rate)
+    decoding: _Rate = field(default_factory=_Rate)
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch size whose rates a batch of ``batch`` shares: itself up to 4, else the
+    next power of two."""
+    batch = max(1, batch)
+    return batch if batch <= 4 else 1 << (batch - 1).bit_length()
+
+
+@dataclass(slots=True)
+class ModeRates:
+    """Owned by the edge's engine; written as a request's tokens arrive, read as its next
+    ones are asked for (both on the event loop)."""
+
+    half_life_tokens: float = HALF_LIFE_TOKENS
+    min_tokens: float = MIN_TOKENS
+    _by_bucket: dict[int, _BatchRates] = field(default_factory=dict)
+
+    def observe(self, batch: int, speculating: bool, n_tokens: int, seconds: float) -> float | None:
+        """A request of ``batch`` decoding at once got ``n_tokens`` in ``seconds`` from a
+        block of drafts (``speculating``) or from the cloud decoding alone. Returns that
+        mode's rate there now (None: nothing to observe)."""
+        if n_tokens <= 0 or seconds < 0.0:
+            return None
+        rates = self._by_bucket.setdefault(batch_bucket(batch), _BatchRates())
+        decay = 0.5 ** (n_tokens / self.half_life_tokens)
+        observed = rates.speculating if speculating else rates.decoding
+        for rate in (rates.speculating, rates.decoding):
+            rate.tokens *= decay
+            rate.seconds *= decay
+        observed.tokens += n_tokens
+        observed.seconds += seconds
+        for rate in (rates.speculating, rates.decoding):
+            if rate.tokens < self.min_tokens:
+                rate.exploring = True
+            elif rate.tokens >= 2.0 * self.min_tokens:
+                rate.exploring = False
+        return observed.tokens_per_s
+
+    def speculates(self, batch: int, model_says: bool) -> bool:
+        """Whether requests of ``batch`` decoding at once should speculate: the mode being
+        explored, else the faster measured one; ``model_says`` where neither is measured."""
+        rates = self._by_bucket.get(batch_bucket(batch))
+        if rates is None:
+            return model_says
+        speculating, decoding = rates.speculating, rates.decoding
+        if speculating.exploring and decoding.exploring:
+            return model_says
+        if speculating.exploring or decoding.exploring:
+            return speculating.exploring
+        return speculating.tokens_per_s >= decoding.tokens_per_s
