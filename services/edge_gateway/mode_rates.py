@@ -6,10 +6,11 @@ cost. On a CPU that misprices a lone request three ways: serving work outside th
 (the cloud's sampling and channel, the edge's Python) is not in it, and it is what a
 decoded token pays most of (2-core EPYC, llama.cpp Q8_0: the forward alone is 6.5 ms, while
 target-only streams a token every ~10 ms); rows do not cost linearly (1, 2, 5, 9 rows:
-6.5, 14.4, 24.6, 30.6 ms); and a lone request's blocks all have one γ, so the verifier's
-fit never identifies a row's cost at all, and the model never pauses (there T = 0.7
-speculated at ~45-50 tokens/s against ~100 decoding). A wall-clock rate measures all of
-it and needs none of it:
+6.5, 14.4, 24.6, 30.6 ms); and a lone request's draft blocks all have one γ, so unless
+suffix blocks vary them the verifier's fit never identifies a row's cost, and the model
+never pauses (one 96-token chat at a time, T = 0.7: ~50-60 tokens/s speculating against
+~130 decoding). A wall-clock rate measures all of it, a link's round trip too, and needs
+none of it:
 
 - a mode's rate at a batch size is a ratio of exponentially weighted sums, tokens over
   seconds, from the end of one of a request's outputs to the end of its next (so a switch's
@@ -18,8 +19,8 @@ it and needs none of it:
   ``half_life_tokens``), so the mode not in use loses weight;
 - a mode with less than ``min_tokens`` of weight is explored: requests at that batch size
   use it until it has twice that, then the faster mode wins. So the slower one is tried
-  again for ``min_tokens`` tokens or so every few hundred (about ``min_tokens · ln 2 /
-  half_life_tokens`` of the tokens: 2 % at the defaults);
+  again for about ``min_tokens`` tokens every ``half_life_tokens`` (3 % of the tokens at
+  the defaults);
 - at a batch size neither mode has been measured at, the goodput model decides.
 
 Batch sizes above four share a bucket per power of two (5-8, 9-16, ...): rates there move
