@@ -289,6 +289,7 @@ class _RequestState:
         # Feeding the draft what it missed while the request did not draft (`_catch_up`)
         self.catching_up: asyncio.Task[None] | None = None
         self.output_s = time.perf_counter()  # when the request's last tokens came (`_measure`)
+        self.generation_sent: str | None = None  # why, where its open asked for tokens
         self.goodput = engine.goodput[request.params.is_greedy]  # its regime's
 
     async def open_both(self) -> None:
@@ -300,14 +301,21 @@ class _RequestState:
             prompt = self.confirmed
             await scheduler.open(self.key, prompt, self.features.before(0, len(prompt) - 1))
             return
-        opening = asyncio.ensure_future(self.open())
         # A request that will not draft its first block leaves its draft's cache empty: its
         # prefill would only hold up the first token and take the cores from the cloud
         # (eight agent conversations on one 2-core machine: 0.78x target-only with it, 0.88x
-        # without); the draft catches up if the request drafts later.
-        drafts_soon = self._pause_reason() is None
+        # without); the draft catches up if the request drafts later. Unless a suffix block
+        # goes first, it asks for its tokens right behind the open, as target-only does:
+        # the first token then costs one trip to the cloud and back, not two.
+        paused = self._pause_reason()
+        suffix_first = (
+            paused is not None
+            and self._takes_suffix_blocks
+            and bool(self._suffix_tokens(self.request.max_new_tokens, speculating=False))
+        )
+        opening = asyncio.ensure_future(self.open(None if suffix_first else paused))
         drafting = asyncio.ensure_future(
-            scheduler.open(self.key, self.confirmed, prefill=drafts_soon)
+            scheduler.open(self.key, self.confirmed, prefill=paused is None)
         )
         try:
             await asyncio.gather(opening, drafting)
@@ -316,10 +324,12 @@ class _RequestState:
                 part.cancel()
             await asyncio.gather(opening, drafting, return_exceptions=True)
 
-    async def open(self) -> None:
+    async def open(self, paused: str | None = None) -> None:
         """Open the session from the confirmed prefix on a live replica. A replica lost
         while it opens is retried on another (or the same, back) until `cloud_deadline_s`
-        from the first try has passed; after that the request fails with ChannelDown."""
+        from the first try has passed; after that the request fails with ChannelDown.
+        ``paused``: why the request's first tokens are the cloud's own, which it then asks
+        for right behind the open (`generation_sent`)."""
         engine = self.engine
         deadline_s = time.monotonic() + engine.settings.cloud_deadline_s
         while True:
@@ -329,16 +339,29 @@ class _RequestState:
             message = engine.open_message(
                 self.session_id, self.confirmed, self.config, self.first_rung
             )
+            then = None
+            if paused is not None:
+                channel.stream(self.session_id)  # its tokens may come before the open's reply
+                then = self._generate_request(self.request.max_new_tokens - self.produced)
             try:
-                opened = await channel.open_session(message)
+                opened = await channel.open_session(message, then)
                 if opened.target_cost is not None:
                     for goodput in engine.goodput.values():
                         goodput.target_cost = opened.target_cost
                 self._log_prompt_features(opened)
+                self.generation_sent = paused
                 return
-            except ChannelDown:
-                if time.monotonic() >= deadline_s:
+            except BaseException as exc:
+                if then is not None:
+                    channel.end_stream(self.session_id)
+                if not isinstance(exc, ChannelDown) or time.monotonic() >= deadline_s:
                     raise
+
+    def _generate_request(self, max_tokens: int) -> GenerateRequest:
+        """The ask for up to ``max_tokens`` of the cloud's own tokens (after the tail)."""
+        stop = np.asarray(sorted(self.request.stop_token_ids), dtype=np.uint32)
+        tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
+        return GenerateRequest(self.session_id, max_tokens, stop, tail)
 
     def _log_prompt_features(self, opened: SessionOpened) -> None:
         if self.features is None:
@@ -388,9 +411,12 @@ class _RequestState:
     async def _next_tokens(self, remaining: int) -> AsyncGenerator[list[int], None]:
         """One block's tokens, or, while speculation is paused, the tokens the cloud
         decodes alone (`_cloud_decoded`) as they come."""
-        paused = self._why_paused()
-        speculating = self.next_draft is not None or paused is None
-        suffix = self._suffix_block(remaining, speculating) if self._takes_suffix_blocks else None
+        # the cloud's own tokens come first where the open asked for them
+        sent, self.generation_sent = self.generation_sent, None
+        paused = sent or self._why_paused()
+        speculating = sent is None and (self.next_draft is not None or paused is None)
+        takes_suffix = sent is None and self._takes_suffix_blocks
+        suffix = self._suffix_block(remaining, speculating) if takes_suffix else None
         if suffix is not None:
             block = await self._one_block(len(suffix.tokens), suffix)
             self._measure(None, len(block))
@@ -398,7 +424,7 @@ class _RequestState:
             return
         if not speculating:
             assert paused is not None
-            decoded = self._cloud_decoded(remaining, paused)
+            decoded = self._cloud_decoded(remaining, paused, sent=sent is not None)
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
                     self._measure(False, 1)
@@ -501,22 +527,24 @@ class _RequestState:
         gamma = self.goodput.suffix_tokens(proposal.probs, engine.decoding, speculating)
         return list(proposal.tokens[:gamma])
 
-    async def _cloud_decoded(self, max_tokens: int, paused: str) -> AsyncGenerator[int, None]:
+    async def _cloud_decoded(
+        self, max_tokens: int, paused: str, sent: bool = False
+    ) -> AsyncGenerator[int, None]:
         """Speculation paused (``paused`` says why): the cloud samples up to ``max_tokens``
         from p alone (its generation joins the verify rounds, as a target-only one does)
         and streams them. Asking for them all at once keeps the cloud's decoding from ever
         waiting on an ask; every `paused_look_tokens` the request looks whether to speculate
         again (`_still_paused`), and if so asks the cloud to stop: the generation ends a
         token or two later, and each token it sent stays confirmed (each is a sample of p).
-        The draft's cache falls behind meanwhile; the next block feeds it what it missed."""
+        The draft's cache falls behind meanwhile; the next block feeds it what it missed.
+        ``sent``: the ask went out behind the session's open."""
         channel, metrics = self.channel, self.engine.metrics
         look_every = self.engine.settings.paused_look_tokens
-        stop = np.asarray(sorted(self.request.stop_token_ids), dtype=np.uint32)
-        tail = np.asarray(self.tail, dtype=np.uint32) if self.tail else _NO_TAIL
         queue = channel.stream(self.session_id)
         unseen, stopping = 0, False  # tokens since the last look; the stop went out
         try:
-            await channel.send(GenerateRequest(self.session_id, max_tokens, stop, tail))
+            if not sent:
+                await channel.send(self._generate_request(max_tokens))
             self.tail = []  # the cloud has it now
             async for frame in _generated(channel, queue):
                 _note_logprobs(self.request, frame)
@@ -556,7 +584,7 @@ class _RequestState:
         confirmed prefix on a live replica (within the deadline) and carry on; the open
         block is dropped."""
         engine = self.engine
-        self.seq, self.tail, self.next_draft = 0, [], None
+        self.seq, self.tail, self.next_draft, self.generation_sent = 0, [], None, None
         # The draft's cache lags the confirmed prefix by >= 1 (the last token is pending);
         # the next propose rolls it back there.
         self.draft_confirmed = min(self.draft_confirmed, len(self.confirmed) - 1)

@@ -116,8 +116,10 @@ class CloudReplicas:
         return self._placed[session_id]
 
     async def close(self, session_id: int) -> None:
-        """Close a finished session on its replica (if it got one) and forget it."""
+        """Close a finished session on its replica (if it got one) and forget it, and the
+        stream of tokens it may have asked for and not read."""
         channel = self._placed.pop(session_id, None)
         if channel is not None:
+            channel.end_stream(session_id)
             with contextlib.suppress(ChannelDown):  # a lost replica has dropped it already
                 await channel.send(CloseSession(session_id))
