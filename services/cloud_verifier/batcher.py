@@ -120,7 +120,7 @@ class _Generation:
     max_tokens: int
     stop_ids: frozenset[int]
     tokens: asyncio.Queue[Decoded | BaseException | None] = field(default_factory=asyncio.Queue)
-    admitted: bool = False  # its first round ran (set by the actor loop after it)
+    admitted: bool = False  # its session took it (set on the model thread, by _admit)
     abandoned: bool = False  # its consumer went away: dropped before the next round
     stopping: bool = False  # its edge asked it to stop: its next round's token is its last
 
@@ -337,24 +337,29 @@ class Batcher:
             round_ = _Round(
                 work, chunks, [g.job.session for g in ended], [g.job.session for g in stopping]
             )
-            outcomes = await self.model_thread.run(self._execute, round_)
+            loop = asyncio.get_running_loop()
+            outcomes = await self.model_thread.run(self._execute_rounds, round_, loop)
             handed_back_s = time.perf_counter()
-            for job, (ok, value) in zip(work, outcomes, strict=True):
-                if job.generation is None:
-                    _resolve(job.future, ok, value)
-                    if ok and job.verifies:
-                        self._work_due[job.session.key] = (job.rows, handed_back_s)
-                else:
-                    self._advance_generation(job.generation, ok, value, handed_back_s)
+            self._hand_back(work, outcomes, handed_back_s)
             self._in_flight = []
             self._advance(chunks, handed_back_s)
+
+    def _hand_back(
+        self, work: list[_Job], outcomes: list[tuple[bool, Any]], handed_back_s: float
+    ) -> None:
+        for job, (ok, value) in zip(work, outcomes, strict=True):
+            if job.generation is None:
+                _resolve(job.future, ok, value)
+                if ok and job.verifies:
+                    self._work_due[job.session.key] = (job.rows, handed_back_s)
+            else:
+                self._advance_generation(job.generation, ok, value, handed_back_s)
 
     def _advance_generation(
         self, generation: _Generation, ok: bool, value: Any, handed_back_s: float
     ) -> None:
         """Hand a generation its round's token; it ends at a stop token, its last token or
         an error (the model thread has ended it in the session already)."""
-        generation.admitted = True
         if ok:
             generation.tokens.put_nowait(value)
             if not value.last:
@@ -462,6 +467,36 @@ class Batcher:
             self._prefilling.remove(prefill)
 
     # ------------------------------------------------------------------ worker thread
+
+    def _execute_rounds(
+        self, round_: _Round, loop: asyncio.AbstractEventLoop
+    ) -> list[tuple[bool, Any]]:
+        """Run the round on the worker thread; then, while its jobs are decode steps that
+        go on and nothing else waits, run their next rounds here too, handing each round's
+        tokens to the event loop as they come. A stream's next step then never waits for
+        the event loop's turn: at one stream on 2 cores that hop was ~0.5 ms of a ~9 ms
+        token (the last round's outcomes return as any round's)."""
+        outcomes = self._execute(round_)
+        while self._decodes_on(round_, outcomes):
+            loop.call_soon_threadsafe(self._hand_back, round_.jobs, outcomes, time.perf_counter())
+            round_ = _Round(round_.jobs, [], [], [])
+            outcomes = self._execute(round_)
+        return outcomes
+
+    def _decodes_on(self, round_: _Round, outcomes: list[tuple[bool, Any]]) -> bool:
+        """Whether the next round is this one's decode steps again with nothing else due:
+        no prompt under way, no job queued, no generation ending, stopping or abandoned.
+        (Read on the worker thread: the actor loop, which alone changes the prompts under
+        way, awaits this round; the queue and the flags are only read.)"""
+        if not round_.jobs or round_.chunks or self._prefilling or not self._queue.empty():
+            return False
+        for job, (ok, value) in zip(round_.jobs, outcomes, strict=True):
+            generation = job.generation
+            if generation is None or not ok or value.last:
+                return False
+            if generation.stopping or generation.abandoned:
+                return False
+        return True
 
     def _execute(self, round_: _Round) -> list[tuple[bool, Any]]:
         """Run one round on the worker thread: the closes and the ended generations, then
@@ -640,6 +675,7 @@ def _admit(job: _Job) -> VerifyResult | None:
         return job.session.admit(job.block)
     generation = job.generation
     if generation is not None and not generation.admitted:
+        generation.admitted = True  # whatever follows: a refused one ends with its error
         job.session.admit_generation(
             generation.committed_tail, generation.max_tokens, generation.stop_ids
         )

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, Collection
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from asymspec.actors import ActorDied
 from asymspec.wire import BlockId, ErrorCode, VerifyBlock, WireError
 from asymspec_engine.loading import session_lm
-from asymspec_engine.target import TargetModel
+from asymspec_engine.target import Round, TargetModel
 from cloud_verifier.batcher import Batcher, SessionClosed
 from cloud_verifier.metrics import CloudMetrics
 from cloud_verifier.sessions import Decoded, Session
@@ -87,6 +89,58 @@ def test_concurrent_generations_share_every_round_and_follow_the_greedy_chain() 
     assert rows == [3] * 6
 
 
+class SlowTarget(RecordingTarget):
+    """Each round takes a few milliseconds, as a real forward does."""
+
+    def round(self, *args: Any, **kwargs: Any) -> Round:
+        time.sleep(0.005)
+        return super().round(*args, **kwargs)
+
+
+def test_a_lone_generation_decodes_back_to_back_and_yields_to_work_that_arrives() -> None:
+    """A generation with nothing else to run takes its steps one after another on the model
+    thread (the event loop only receives its tokens); a prompt sent meanwhile joins the
+    next round, beside the generation's step, and the chain is unchanged."""
+    target = SlowTarget()
+    batcher = new_batcher(target)
+    a, b = session_with_prompt(1, [4, 8, 15]), session_with_prompt(2, [16, 23])
+    calls = 0
+    real_execute_rounds = batcher._execute_rounds
+
+    def counted(*args: Any) -> list[tuple[bool, Any]]:
+        nonlocal calls
+        calls += 1
+        return real_execute_rounds(*args)
+
+    batcher._execute_rounds = counted  # type: ignore[method-assign,assignment]
+
+    async def run() -> list[int]:
+        batcher.start()
+        await batcher.prefill(a)
+        target.rounds.clear()
+        got: list[int] = []
+        prefill_b: asyncio.Task[Any] | None = None
+        async for decoded in batcher.generate(a, 40):
+            got.append(decoded.token)
+            if len(got) == 10:
+                prefill_b = asyncio.ensure_future(batcher.prefill(b))
+        assert prefill_b is not None
+        await prefill_b
+        await batcher.stop()
+        return got
+
+    before = calls
+    got = asyncio.run(run())
+    chain = [4, 8, 15]
+    for token in got:
+        assert token == greedy_next(target, chain)
+        chain.append(token)
+    joined = [i for i, (chunks, _) in enumerate(target.rounds) if chunks]
+    assert len(joined) == 1 and target.rounds[joined[0]][1] == 1  # b's prompt, a's step
+    assert 10 <= joined[0] < 39  # after the token that sent it, before a's end
+    assert calls - before <= 4  # its 40 steps took a few hand-overs, not 40
+
+
 def test_a_stop_token_ends_its_generation_after_the_token() -> None:
     prompt = [4, 8, 15]
     target = RecordingTarget()
@@ -153,6 +207,8 @@ def test_a_dead_batcher_fails_its_generations() -> None:
         return await real_collect(wait)  # type: ignore[return-value]
 
     batcher._collect = breaks_on_the_third  # type: ignore[method-assign,assignment]
+    # one decode step per round, so that the loop collects between the generation's tokens
+    batcher._decodes_on = lambda *_: False  # type: ignore[method-assign]
 
     async def run() -> list[int]:
         batcher.start()
