@@ -419,7 +419,7 @@ class _RequestState:
         suffix = self._suffix_block(remaining, speculating) if takes_suffix else None
         if suffix is not None:
             block = await self._one_block(len(suffix.tokens), suffix)
-            self._measure(None, len(block))
+            self._measure(None, len(block), block_rows=len(suffix.tokens) + 1)
             yield block
             return
         if not speculating:
@@ -437,13 +437,16 @@ class _RequestState:
         self._measure(True, len(block))
         yield block
 
-    def _measure(self, speculating: bool | None, n_tokens: int) -> None:
+    def _measure(self, speculating: bool | None, n_tokens: int, block_rows: int = 0) -> None:
         """The time since the request's last tokens went to these ``n_tokens``, from a
         draft model's block (``speculating``) or the cloud decoding alone; a suffix block's
-        (None) are its own rule's, and stay out of the rates the pause compares."""
+        (None) are its own rule's: they stay out of the rates the pause compares and time
+        its block of ``block_rows`` instead."""
         now_s, engine = time.perf_counter(), self.engine
-        if speculating is not None:
-            batch, seconds = engine.decoding, now_s - self.output_s
+        batch, seconds = engine.decoding, now_s - self.output_s
+        if speculating is None:
+            self.goodput.block_times.observe(batch, block_rows, seconds)
+        else:
             per_s = self.goodput.measured.observe(batch, speculating, n_tokens, seconds)
             if per_s is not None and math.isfinite(per_s):
                 labels = {

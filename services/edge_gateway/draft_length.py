@@ -46,13 +46,17 @@ the configured γ stands and speculation goes on.
 
 Suffix blocks (``asymspec_engine.suffix``) cost the edge nothing: a proposal of n tokens
 whose prefixes are right with probability P_1 >= .. >= P_n earns ``1 + Σ_{i<=k} P_i`` tokens
-for a block of its first k, in a cycle of verifying k + 1 rows alone (the same formulas
-with ``draft_s = 0``). ``suffix_tokens`` picks the k with the most tokens per second, and
-takes the suffix block only where that beats the alternative: the draft model's best γ
-while speculating, the cloud decoding alone while paused. The P_i are the suffix index's
-frequency estimates (a context seen once says 1.0) scaled per position by α_s^i, the
-acceptance measured on suffix blocks, so that a rule fed by optimistic counts learns what
-they are worth.
+for a block of its first k, in a cycle of verifying k + 1 rows. ``suffix_tokens`` picks the
+k with the most tokens per second, and takes the suffix block only where that beats the
+alternative: the draft model's blocks while speculating, the cloud decoding alone while
+paused. For a request alone both sides are priced as measured once they are: a block's
+cycle by the wall-clock line of suffix blocks' times in their rows
+(``mode_rates.BlockTimes``), the alternative by the rate requests got from it
+(``mode_rates.ModeRates``). Otherwise, and beside other requests (whose rounds a block's
+rows slow too, which its own time does not show), by the formulas above (``draft_s = 0``).
+The P_i are the suffix index's frequency estimates (a context seen once says 1.0) scaled
+per position by α_s^i, the acceptance measured on suffix blocks, so that a rule fed by
+optimistic counts learns what they are worth.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asymspec.wire import TargetCost
-from edge_gateway.mode_rates import ModeRates
+from edge_gateway.mode_rates import BlockTimes, ModeRates
 
 _MIN_BLOCKS = 8.0  # (weighted) blocks seen before α is trusted
 
@@ -86,6 +90,10 @@ class GoodputDraftLength:
     _suffix_accepted: float = 0.0
     _suffix_rejected: float = 0.0
     measured: ModeRates = field(default_factory=ModeRates)  # the pause's, once measured
+    block_times: BlockTimes = field(default_factory=BlockTimes)  # suffix blocks', measured
+
+    def __post_init__(self) -> None:
+        self.block_times.half_life_blocks = self.half_life_blocks  # as α's
 
     def observe_block(self, gamma: int, n_accepted: int, draft_s: float | None) -> None:
         """A verdict: ``n_accepted`` of ``gamma`` drafts, drafted in ``draft_s`` (None: a
@@ -120,25 +128,51 @@ class GoodputDraftLength:
         cloud decodes alone)."""
         if not probs:
             return 0
-        alpha_s, cost = self.suffix_acceptance, self.target_cost
+        alpha_s, batch = self.suffix_acceptance, max(1, open_requests)
         if alpha_s is not None:
             probs = [p * alpha_s**i for i, p in enumerate(probs, start=1)]
-        if cost is None:
-            return len(probs) if sum(probs) >= self.min_suffix_expected else 0
-        batch = max(1, open_requests)
+        clears_bar = sum(probs) >= self.min_suffix_expected  # while it cannot be priced
+        alternative: float | None
+        measured = self._measured_suffix_prices(batch, len(probs), speculating)
+        if measured is not None:
+            cycles_s, alternative = measured
+        elif self.target_cost is None:
+            return len(probs) if clears_bar else 0
+        else:
+            cost = self.target_cost
+            cycles_s = [self._cycle_s(cost, batch, k, 0.0) for k in range(1, len(probs) + 1)]
+            alternative = self._model_alternative(cost, batch, speculating)
         expected, rates = 1.0, []
-        for k, p in enumerate(probs, start=1):
+        for p, cycle_s in zip(probs, cycles_s, strict=True):
             expected += p
-            rates.append(expected / self._cycle_s(cost, batch, k, 0.0))
+            rates.append(expected / cycle_s if cycle_s > 0.0 else math.inf)
         best = max(range(len(rates)), key=rates.__getitem__)
+        if alternative is None:  # the draft's α is not known yet
+            return best + 1 if clears_bar else 0
+        return best + 1 if rates[best] >= alternative else 0
+
+    def _measured_suffix_prices(
+        self, batch: int, n: int, speculating: bool
+    ) -> tuple[list[float], float] | None:
+        """Suffix blocks of 1 .. n drafts' cycles and the alternative's tokens per second,
+        both as measured (wall-clock, the same serving work in both), for a request alone;
+        None where either is not measured yet. Beside other requests a block's rows also
+        slow theirs, which its own time does not show: there the model prices both."""
+        if batch != 1:
+            return None
+        alternative = self.measured.rate(batch, speculating)
+        cycles_s = [self.block_times.seconds(batch, k + 1) for k in range(1, n + 1)]
+        if alternative is None or cycles_s[0] is None:
+            return None
+        return [c for c in cycles_s if c is not None], alternative
+
+    def _model_alternative(self, cost: TargetCost, batch: int, speculating: bool) -> float | None:
+        """A request's tokens per second without the suffix block, as the model says: the
+        draft model's best γ (None while its α is not known), or the cloud decoding alone."""
         if speculating:
             model = self._rates(batch)
-            if model is None:  # the draft's α is not known yet: the bar decides
-                return best + 1 if sum(probs) >= self.min_suffix_expected else 0
-            alternative = max(model)
-        else:
-            alternative = 1.0 / (cost.base_s + cost.row_s * batch)
-        return best + 1 if rates[best] >= alternative else 0
+            return None if model is None else max(model)
+        return 1.0 / (cost.base_s + cost.row_s * batch)
 
     @property
     def acceptance(self) -> float | None:

@@ -211,6 +211,31 @@ def test_a_suffix_block_is_priced_against_the_draft_model_and_the_cloud() -> Non
     assert policy.suffix_tokens([0.1], 1, speculating=False) == 0  # 1.1 / 0.0188 = 58.5
 
 
+def test_a_lone_requests_suffix_block_is_priced_as_measured_once_it_is() -> None:
+    """α_s = 7/8. By the verifier's line (15 ms + 1.9 ms a row) a sure 32-token copy is
+    best cut to 8 tokens, and the cloud alone makes 59 tokens/s. Once both are measured for
+    a request alone, the blocks' wall-clock line (20 ms + 0.5 ms a row, a round trip in the
+    base) makes 15 the best, and the cloud alone measured at 100 tokens/s beats a single
+    0.4 token. Beside other requests the model still prices both."""
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
+    for _ in range(8):
+        policy.observe_suffix_block(8, 7)  # 56 accepted, 8 rejections: α_s = 0.875
+    policy.target_cost = COMPUTE_BOUND
+    assert policy.suffix_tokens([1.0] * 32, 1, speculating=False) == 8
+    assert policy.suffix_tokens([0.4], 1, speculating=False) == 1  # 1.35 / 0.0188 = 71.8
+    for i in range(8):
+        rows = 5 if i % 2 else 17
+        for batch in (1, 4):
+            policy.block_times.observe(batch, rows, 0.020 + 0.0005 * rows)
+    assert policy.suffix_tokens([1.0] * 32, 1, speculating=False) == 8  # one side measured
+    for batch in (1, 4):
+        policy.measured.observe(batch, speculating=False, n_tokens=32, seconds=0.32)
+    assert policy.suffix_tokens([1.0] * 32, 1, speculating=False) == 15  # 252 tokens/s
+    assert policy.suffix_tokens([0.4], 1, speculating=False) == 0  # 1.35 / 0.021 = 64.3
+    # the model's rounds of four such blocks, both sides measured at batch 4 or not
+    assert policy.suffix_tokens([1.0] * 32, 4, speculating=False) == 4
+
+
 def test_suffix_acceptance_discounts_the_frequency_estimates() -> None:
     policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
     for _ in range(8):

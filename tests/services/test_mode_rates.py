@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from edge_gateway.mode_rates import ModeRates, batch_bucket
+from edge_gateway.mode_rates import BlockTimes, ModeRates, batch_bucket
 
 
 def test_batch_sizes_share_a_bucket_per_power_of_two_above_four() -> None:
@@ -78,3 +78,68 @@ def test_nothing_or_a_clock_step_backwards_is_not_observed(n_tokens: int, second
     rates = ModeRates(half_life_tokens=math.inf, min_tokens=1)
     rates.observe(1, speculating=False, n_tokens=n_tokens, seconds=seconds)
     assert rates.speculates(1, model_says=True)
+
+
+def test_a_mode_has_a_rate_once_explored() -> None:
+    rates = ModeRates(half_life_tokens=math.inf, min_tokens=16)
+    assert rates.rate(1, speculating=False) is None
+    rates.observe(1, speculating=False, n_tokens=20, seconds=0.2)
+    assert rates.rate(1, speculating=False) is None  # under twice the minimum: exploring
+    rates.observe(1, speculating=False, n_tokens=12, seconds=0.12)
+    assert rates.rate(1, speculating=False) == pytest.approx(100.0)
+    assert rates.rate(1, speculating=True) is None
+    assert rates.rate(8, speculating=False) is None  # another bucket
+
+
+# ---------------------------------------------------------------- block times
+
+
+def test_block_times_are_a_line_in_the_rows_once_enough_varied_blocks_came() -> None:
+    """Blocks of 3 and 11 rows at 20 ms + 2 ms a row: the line through them, exactly."""
+    times = BlockTimes(half_life_blocks=math.inf)
+    for i in range(7):
+        rows = 3 if i % 2 else 11
+        times.observe(1, rows, 0.020 + 0.002 * rows)
+    assert times.seconds(1, 5) is None  # 7 blocks: not enough
+    times.observe(1, 3, 0.026)
+    assert times.seconds(1, 5) == pytest.approx(0.030)
+    assert times.seconds(1, 33) == pytest.approx(0.086)
+    assert times.seconds(2, 5) is None  # another bucket
+    assert times.seconds(3, 5) is None
+
+
+def test_block_times_need_varied_rows() -> None:
+    """Eight blocks of one size say nothing of what a row costs."""
+    times = BlockTimes(half_life_blocks=math.inf)
+    for _ in range(8):
+        times.observe(1, 9, 0.030)
+    assert times.seconds(1, 9) is None
+    times.observe(1, 17, 0.040)
+    assert times.seconds(1, 9) is not None  # 9 blocks, rows variance 7.1
+
+
+def test_block_times_never_go_below_zero() -> None:
+    """Longer blocks measured faster (noise): the slope is 0 and the line their mean; a
+    line crossing below zero at no rows goes through the origin instead."""
+    times = BlockTimes(half_life_blocks=math.inf)
+    for rows, seconds in [(3, 0.040), (11, 0.030)] * 4:
+        times.observe(1, rows, seconds)
+    assert times.seconds(1, 3) == pytest.approx(0.035)
+    assert times.seconds(1, 30) == pytest.approx(0.035)
+    steep = BlockTimes(half_life_blocks=math.inf)
+    for rows, seconds in [(3, 0.001), (11, 0.030)] * 4:
+        steep.observe(1, rows, seconds)
+    slope = (3 * 0.001 + 11 * 0.030) / (3 * 3 + 11 * 11)  # least squares through the origin
+    assert steep.seconds(1, 10) == pytest.approx(10 * slope)
+
+
+def test_old_blocks_fade() -> None:
+    """Half-life 8 blocks: after 64 blocks at the new cost the old ones keep 2^-8 of their
+    weight, and the line is the new one within 1 %."""
+    times = BlockTimes(half_life_blocks=8)
+    for i in range(32):
+        times.observe(1, 3 + 8 * (i % 2), 0.050)
+    for i in range(64):
+        rows = 3 + 8 * (i % 2)
+        times.observe(1, rows, 0.010 + 0.001 * rows)
+    assert times.seconds(1, 7) == pytest.approx(0.017, rel=0.01)
