@@ -440,21 +440,25 @@ class _RequestState:
     def _measure(self, speculating: bool | None, n_tokens: int, block_rows: int = 0) -> None:
         """The time since the request's last tokens went to these ``n_tokens``, from a
         draft model's block (``speculating``) or the cloud decoding alone; a suffix block's
-        (None) are its own rule's: they stay out of the rates the pause compares and time
-        its block of ``block_rows`` instead."""
+        (None) are its own rule's: they stay out of the rates the pause compares, and time
+        its block of ``block_rows`` and the suffix blocks' rate instead."""
         now_s, engine = time.perf_counter(), self.engine
         batch, seconds = engine.decoding, now_s - self.output_s
+        measured = self.goodput.measured
         if speculating is None:
             self.goodput.block_times.observe(batch, block_rows, seconds)
+            per_s = measured.observe_suffix(batch, n_tokens, seconds)
+            source = "suffix"
         else:
-            per_s = self.goodput.measured.observe(batch, speculating, n_tokens, seconds)
-            if per_s is not None and math.isfinite(per_s):
-                labels = {
-                    "source": "speculating" if speculating else "decoding",
-                    "sampling": "greedy" if self.request.params.is_greedy else "sampled",
-                    "batch": str(batch_bucket(batch)),
-                }
-                engine.metrics.mode_tokens_per_s.labels(**labels).set(per_s)
+            per_s = measured.observe(batch, speculating, n_tokens, seconds)
+            source = "speculating" if speculating else "decoding"
+        if per_s is not None and math.isfinite(per_s):
+            labels = {
+                "source": source,
+                "sampling": "greedy" if self.request.params.is_greedy else "sampled",
+                "batch": str(batch_bucket(batch)),
+            }
+            engine.metrics.mode_tokens_per_s.labels(**labels).set(per_s)
         self.output_s = now_s
 
     @property

@@ -53,7 +53,11 @@ paused. For a request alone both sides are priced as measured once they are: a b
 cycle by the wall-clock line of suffix blocks' times in their rows
 (``mode_rates.BlockTimes``), the alternative by the rate requests got from it
 (``mode_rates.ModeRates``). Otherwise, and beside other requests (whose rounds a block's
-rows slow too, which its own time does not show), by the formulas above (``draft_s = 0``).
+rows slow too, which its own time does not show), by the formulas above (``draft_s = 0``),
+unless suffix blocks have measurably given requests at that batch size less than the
+alternative did (``ModeRates.suffix_pays``): the formulas leave out the switch a paused
+request makes (the cloud stops its generation, verifies the block, starts another), which
+at eight agent conversations on 2 cores cost ~240 ms for a 3-token block.
 The P_i are the suffix index's frequency estimates (a context seen once says 1.0) scaled
 per position by α_s^i, the acceptance measured on suffix blocks, so that a rule fed by
 optimistic counts learns what they are worth.
@@ -147,6 +151,8 @@ class GoodputDraftLength:
             expected += p
             rates.append(expected / cycle_s if cycle_s > 0.0 else math.inf)
         best = max(range(len(rates)), key=rates.__getitem__)
+        if measured is None and self.measured.suffix_pays(batch, speculating) is False:
+            return 0  # the model's price, overruled by what suffix blocks gave requests here
         if alternative is None:  # the draft's α is not known yet
             return best + 1 if clears_bar else 0
         return best + 1 if rates[best] >= alternative else 0

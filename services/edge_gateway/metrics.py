@@ -292,9 +292,9 @@ class EdgeMetrics:
             ),
             mode_tokens_per_s=f.gauge_family2(
                 "asymspec_pause_measured_tokens_per_second",
-                "One request's tokens per second as the goodput pause measures them, "
-                "speculating or the cloud decoding alone, greedy or sampled, by batch size "
-                "(its bucket's top).",
+                "One request's tokens per second as the goodput rule measures them, "
+                "speculating, the cloud decoding alone or suffix blocks, greedy or sampled, "
+                "by batch size (its bucket's top).",
                 ("source", "sampling", "batch"),
             ),
             cloud_connected=f.gauge(

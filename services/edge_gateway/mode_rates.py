@@ -62,6 +62,14 @@ class _Rate:
 class _BatchRates:
     speculating: _Rate = field(default_factory=_Rate)
     decoding: _Rate = field(default_factory=_Rate)
+    suffix: _Rate = field(default_factory=_Rate)  # suffix blocks' (`suffix_pays`)
+
+    def update_exploring(self, min_tokens: float) -> None:
+        for rate in (self.speculating, self.decoding, self.suffix):
+            if rate.tokens < min_tokens:
+                rate.exploring = True
+            elif rate.tokens >= 2.0 * min_tokens:
+                rate.exploring = False
 
 
 def batch_bucket(batch: int) -> int:
@@ -89,17 +97,39 @@ class ModeRates:
         rates = self._by_bucket.setdefault(batch_bucket(batch), _BatchRates())
         decay = 0.5 ** (n_tokens / self.half_life_tokens)
         observed = rates.speculating if speculating else rates.decoding
-        for rate in (rates.speculating, rates.decoding):
+        for rate in (rates.speculating, rates.decoding, rates.suffix):
             rate.tokens *= decay
             rate.seconds *= decay
         observed.tokens += n_tokens
         observed.seconds += seconds
-        for rate in (rates.speculating, rates.decoding):
-            if rate.tokens < self.min_tokens:
-                rate.exploring = True
-            elif rate.tokens >= 2.0 * self.min_tokens:
-                rate.exploring = False
+        rates.update_exploring(self.min_tokens)
         return observed.tokens_per_s
+
+    def observe_suffix(self, batch: int, n_tokens: int, seconds: float) -> float | None:
+        """The same for a suffix block's tokens. They fade the suffix rate alone: it is no
+        mode of the pause's, and it fades with the tokens either mode gives, so that it is
+        explored again where suffix blocks stopped being taken."""
+        if n_tokens <= 0 or seconds < 0.0:
+            return None
+        rates = self._by_bucket.setdefault(batch_bucket(batch), _BatchRates())
+        suffix = rates.suffix
+        decay = 0.5 ** (n_tokens / self.half_life_tokens)
+        suffix.tokens = suffix.tokens * decay + n_tokens
+        suffix.seconds = suffix.seconds * decay + seconds
+        rates.update_exploring(self.min_tokens)
+        return suffix.tokens_per_s
+
+    def suffix_pays(self, batch: int, speculating: bool) -> bool | None:
+        """Whether suffix blocks gave requests at ``batch`` at least what the alternative
+        did (the draft model's blocks, ``speculating``, or the cloud decoding alone), as
+        measured; None while either is being explored."""
+        rates = self._by_bucket.get(batch_bucket(batch))
+        if rates is None:
+            return None
+        alternative = rates.speculating if speculating else rates.decoding
+        if rates.suffix.exploring or alternative.exploring:
+            return None
+        return rates.suffix.tokens_per_s >= alternative.tokens_per_s
 
     def rate(self, batch: int, speculating: bool) -> float | None:
         """One mode's measured tokens per second for a request at ``batch``; None while

@@ -236,6 +236,18 @@ def test_a_lone_requests_suffix_block_is_priced_as_measured_once_it_is() -> None
     assert policy.suffix_tokens([1.0] * 32, 4, speculating=False) == 4
 
 
+def test_what_suffix_blocks_gave_requests_overrules_the_models_price() -> None:
+    """Beside other requests the model prices a block; where suffix blocks have measurably
+    given requests there less than the cloud decoding alone, none is taken."""
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
+    policy.target_cost = COMPUTE_BOUND
+    assert policy.suffix_tokens([1.0] * 8, 4, speculating=False) == 8  # the model takes it
+    policy.measured.observe(4, speculating=False, n_tokens=32, seconds=32 / 40.0)
+    policy.measured.observe_suffix(4, n_tokens=32, seconds=32 / 30.0)
+    assert policy.suffix_tokens([1.0] * 8, 4, speculating=False) == 0
+    assert policy.suffix_tokens([1.0] * 8, 2, speculating=False) > 0  # not measured there
+
+
 def test_suffix_acceptance_discounts_the_frequency_estimates() -> None:
     policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
     for _ in range(8):

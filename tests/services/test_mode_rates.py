@@ -143,3 +143,25 @@ def test_old_blocks_fade() -> None:
         rows = 3 + 8 * (i % 2)
         times.observe(1, rows, 0.010 + 0.001 * rows)
     assert times.seconds(1, 7) == pytest.approx(0.017, rel=0.01)
+
+
+def test_suffix_blocks_pay_as_measured_once_both_rates_are() -> None:
+    """Suffix blocks at 16.7 tokens/s against decoding at 18.2: they do not pay; their
+    tokens fade only their own rate, and either mode's tokens fade it too."""
+    rates = ModeRates(half_life_tokens=64, min_tokens=16)
+    assert rates.suffix_pays(8, speculating=False) is None
+    rates.observe(8, speculating=False, n_tokens=32, seconds=32 / 18.2)
+    assert rates.suffix_pays(8, speculating=False) is None  # suffix blocks not measured
+    rates.observe_suffix(8, n_tokens=32, seconds=32 / 16.7)
+    assert rates.rate(8, speculating=False) == pytest.approx(18.2)  # untouched by them
+    assert rates.suffix_pays(8, speculating=False) is False
+    assert rates.suffix_pays(8, speculating=True) is None  # the draft model's: unmeasured
+    assert rates.suffix_pays(4, speculating=False) is None  # another bucket
+    rates.observe(8, speculating=False, n_tokens=32, seconds=32 / 18.2)
+    assert rates.suffix_pays(8, speculating=False) is False  # 32 · 2^-0.5 = 22.6: measured
+    rates.observe(8, speculating=False, n_tokens=40, seconds=40 / 18.2)
+    assert rates.suffix_pays(8, speculating=False) is None  # 22.6 · 2^(-40/64) = 14.7: explored
+    rates.observe_suffix(8, n_tokens=4, seconds=4 / 30.0)
+    assert rates.suffix_pays(8, speculating=False) is None  # 18.7: until it has 32 again
+    rates.observe_suffix(8, n_tokens=18, seconds=18 / 30.0)
+    assert rates.suffix_pays(8, speculating=False) is True  # 32.9 tokens at 23.4/s
