@@ -142,6 +142,8 @@ class GoodputDraftLength:
             cycles_s, alternative = measured
         elif self.target_cost is None:
             return len(probs) if clears_bar else 0
+        elif self.measured.suffix_pays(batch, speculating) is False:
+            return 0  # the model's price, overruled by what suffix blocks gave requests here
         else:
             cost = self.target_cost
             cycles_s = [self._cycle_s(cost, batch, k, 0.0) for k in range(1, len(probs) + 1)]
@@ -151,8 +153,6 @@ class GoodputDraftLength:
             expected += p
             rates.append(expected / cycle_s if cycle_s > 0.0 else math.inf)
         best = max(range(len(rates)), key=rates.__getitem__)
-        if measured is None and self.measured.suffix_pays(batch, speculating) is False:
-            return 0  # the model's price, overruled by what suffix blocks gave requests here
         if alternative is None:  # the draft's α is not known yet
             return best + 1 if clears_bar else 0
         return best + 1 if rates[best] >= alternative else 0
@@ -166,11 +166,11 @@ class GoodputDraftLength:
         slow theirs, which its own time does not show: there the model prices both."""
         if batch != 1:
             return None
-        alternative = self.measured.rate(batch, speculating)
-        cycles_s = [self.block_times.seconds(batch, k + 1) for k in range(1, n + 1)]
-        if alternative is None or cycles_s[0] is None:
+        alternative, line = self.measured.rate(batch, speculating), self.block_times.line(batch)
+        if alternative is None or line is None:
             return None
-        return [c for c in cycles_s if c is not None], alternative
+        base_s, row_s = line
+        return [base_s + row_s * (gamma + 1) for gamma in range(1, n + 1)], alternative
 
     def _model_alternative(self, cost: TargetCost, batch: int, speculating: bool) -> float | None:
         """A request's tokens per second without the suffix block, as the model says: the

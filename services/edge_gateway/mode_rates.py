@@ -95,15 +95,9 @@ class ModeRates:
         if n_tokens <= 0 or seconds < 0.0:
             return None
         rates = self._by_bucket.setdefault(batch_bucket(batch), _BatchRates())
-        decay = 0.5 ** (n_tokens / self.half_life_tokens)
         observed = rates.speculating if speculating else rates.decoding
-        for rate in (rates.speculating, rates.decoding, rates.suffix):
-            rate.tokens *= decay
-            rate.seconds *= decay
-        observed.tokens += n_tokens
-        observed.seconds += seconds
-        rates.update_exploring(self.min_tokens)
-        return observed.tokens_per_s
+        fading = (rates.speculating, rates.decoding, rates.suffix)
+        return self._add(rates, observed, fading, n_tokens, seconds)
 
     def observe_suffix(self, batch: int, n_tokens: int, seconds: float) -> float | None:
         """The same for a suffix block's tokens. They fade the suffix rate alone: it is no
@@ -112,12 +106,24 @@ class ModeRates:
         if n_tokens <= 0 or seconds < 0.0:
             return None
         rates = self._by_bucket.setdefault(batch_bucket(batch), _BatchRates())
-        suffix = rates.suffix
+        return self._add(rates, rates.suffix, (rates.suffix,), n_tokens, seconds)
+
+    def _add(
+        self,
+        rates: _BatchRates,
+        observed: _Rate,
+        fading: tuple[_Rate, ...],
+        n_tokens: int,
+        seconds: float,
+    ) -> float:
         decay = 0.5 ** (n_tokens / self.half_life_tokens)
-        suffix.tokens = suffix.tokens * decay + n_tokens
-        suffix.seconds = suffix.seconds * decay + seconds
+        for rate in fading:
+            rate.tokens *= decay
+            rate.seconds *= decay
+        observed.tokens += n_tokens
+        observed.seconds += seconds
         rates.update_exploring(self.min_tokens)
-        return suffix.tokens_per_s
+        return observed.tokens_per_s
 
     def suffix_pays(self, batch: int, speculating: bool) -> bool | None:
         """Whether suffix blocks gave requests at ``batch`` at least what the alternative
@@ -207,10 +213,14 @@ class BlockTimes:
         line = self._by_bucket.setdefault(batch_bucket(batch), _Line())
         line.add(rows, seconds, 0.5 ** (1.0 / self.half_life_blocks))
 
+    def line(self, batch: int) -> tuple[float, float] | None:
+        """(base_s, row_s) of a block's time at ``batch``, as measured; None until it is."""
+        line = self._by_bucket.get(batch_bucket(batch))
+        return None if line is None else line.fit()
+
     def seconds(self, batch: int, rows: int) -> float | None:
         """A block of ``rows``' time at ``batch``, as measured; None until it is."""
-        line = self._by_bucket.get(batch_bucket(batch))
-        fitted = None if line is None else line.fit()
+        fitted = self.line(batch)
         if fitted is None:
             return None
         base_s, row_s = fitted
