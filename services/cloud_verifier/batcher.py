@@ -123,6 +123,8 @@ class _Generation:
     admitted: bool = False  # its session took it (set on the model thread, by _admit)
     abandoned: bool = False  # its consumer went away: dropped before the next round
     stopping: bool = False  # its edge asked it to stop: its next round's token is its last
+    produced: int = 0  # its tokens out of the forward (counted on the model thread)
+    consumed: int = 0  # its tokens its consumer is done with (it came back for the next)
 
     def end(self, error: BaseException | None = None) -> None:
         self.tokens.put_nowait(error)
@@ -286,6 +288,7 @@ class Batcher:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                generation.consumed += 1
         finally:
             generation.abandoned = True
             if self._generations.get(session.key) is generation:
@@ -476,16 +479,25 @@ class Batcher:
         tokens to the event loop as they come. A stream's next step then never waits for
         the event loop's turn: at one stream on 2 cores that hop was ~0.5 ms of a ~9 ms
         token (the last round's outcomes return as any round's)."""
-        outcomes = self._execute(round_)
+        outcomes = self._execute_counted(round_)
         while self._decodes_on(round_, outcomes):
             loop.call_soon_threadsafe(self._hand_back, round_.jobs, outcomes, time.perf_counter())
             round_ = _Round(round_.jobs, [], [], [])
-            outcomes = self._execute(round_)
+            outcomes = self._execute_counted(round_)
+        return outcomes
+
+    def _execute_counted(self, round_: _Round) -> list[tuple[bool, Any]]:
+        outcomes = self._execute(round_)
+        for job, (ok, _) in zip(round_.jobs, outcomes, strict=True):
+            if ok and job.generation is not None:
+                job.generation.produced += 1
         return outcomes
 
     def _decodes_on(self, round_: _Round, outcomes: list[tuple[bool, Any]]) -> bool:
         """Whether the next round is this one's decode steps again with nothing else due:
-        no prompt under way, no job queued, no generation ending, stopping or abandoned.
+        no prompt under way, no job queued, no generation ending, stopping or abandoned,
+        and every consumer keeping up (done with all but the newest token: one that lags,
+        or left unseen, is then checked between rounds by the actor loop, as before).
         (Read on the worker thread: the actor loop, which alone changes the prompts under
         way, awaits this round; the queue and the flags are only read.)"""
         if not round_.jobs or round_.chunks or self._prefilling or not self._queue.empty():
@@ -495,6 +507,8 @@ class Batcher:
             if generation is None or not ok or value.last:
                 return False
             if generation.stopping or generation.abandoned:
+                return False
+            if generation.produced - generation.consumed > 1:
                 return False
         return True
 
