@@ -5,9 +5,11 @@
 
 Engines on the embedded target: llama.cpp on the prepared Q8_0 file (the engine's default), on
 a Q4_0 file made from the same source, and on the shipped Q4_1 file, and the torch engine in
-float32 (the exact reference). Shapes: one session's decode
-step (1 x 1), sixteen sessions' decode steps (16 x 1), sixteen γ = 4 verify blocks (16 x 5)
-over 300-token prefixes, and a 1,024-token prefill. Each figure is the median of
+float32 (the exact reference); the Q8_0 file once more with rounds left unpadded (what
+``asymspec_engine.llama_passes`` saves). Shapes (``SHAPES``): one session's decode step and
+blocks, sixteen sessions' decode steps (16 x 1) and γ = 4 verify blocks (16 x 5), decode
+steps on streams with gaps between and ragged blocks, over 300-token prefixes, and a
+1,024-token prefill. Each figure is the median of
 ``--repeats`` forwards (rolled back between them); engines take turns per shape, because
 machines here are noisy. Beside the cost, each engine's fidelity to the float32 reference:
 over every position of the everyday chat prompts (chat template applied), the mean total
@@ -40,18 +42,17 @@ from loadtest.prompts import chat_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX_TOKENS = 300
-# a decode step and verifies of γ = 1, 2 and 4 for one session, suffix blocks of 8, 16 and
-# 32 tokens, then decode steps and γ = 4 verifies for sixteen
-SHAPES = {
-    "1 x 1": (1, 1),
-    "1 x 2": (1, 2),
-    "1 x 3": (1, 3),
-    "1 x 5": (1, 5),
-    "1 x 9": (1, 9),
-    "1 x 17": (1, 17),
-    "1 x 33": (1, 33),
-    "16 x 1": (16, 1),
-    "16 x 5": (16, 5),
+# (session, new tokens) per forward: a decode step and verifies of γ = 1, 2 and 4 for one
+# session, suffix blocks of 8, 16 and 32 tokens, then decode steps and γ = 4 verifies for
+# sixteen, ten decode steps on streams with gaps between them (sessions that ended or wait),
+# and sixteen verify blocks of 1 to 5 tokens (llama.cpp: a pass per run of consecutive
+# streams with equal tokens, unless padded; ``asymspec_engine.llama_passes``)
+SHAPES: dict[str, list[tuple[int, int]]] = {
+    **{f"1 x {n}": [(0, n)] for n in (1, 2, 3, 5, 9, 17, 33)},
+    "16 x 1": [(i, 1) for i in range(16)],
+    "16 x 5": [(i, 5) for i in range(16)],
+    "10 x 1, gaps between": [(i, 1) for i in (0, 2, 3, 5, 7, 8, 10, 11, 13, 15)],
+    "16 x 1 to 5 (46 rows)": [(i, 1 + i * 7 % 5) for i in range(16)],
 }
 PREFILL_TOKENS = 1024
 REFERENCE = "torch float32"
@@ -73,21 +74,24 @@ def engines(threads: int) -> dict[str, Callable[[], SessionLM]]:
 
     return {
         "llama.cpp Q8_0": lambda: LlamaCppEngine(folder / ENGINE_GGUF, threads, max_sessions=17),
+        "llama.cpp Q8_0, unpadded": lambda: LlamaCppEngine(
+            folder / ENGINE_GGUF, threads, max_sessions=17, pad_rounds=False
+        ),
         "llama.cpp Q4_0": q4_0_engine,
         "llama.cpp Q4_1": lambda: LlamaCppEngine(gguf_path(), threads, max_sessions=17),
         REFERENCE: torch_engine,
     }
 
 
-def timed(lm: SessionLM, sessions: int, new: int, repeats: int) -> float:
-    """Median seconds of a forward of ``new`` tokens for each of ``sessions`` sessions."""
-    batch = [(f"s{i}", [100 + (i + j) % 500 for j in range(new)]) for i in range(sessions)]
+def timed(lm: SessionLM, shape: list[tuple[int, int]], repeats: int) -> float:
+    """Median seconds of a forward of each (session, new tokens) of ``shape``."""
+    batch = [(f"s{i}", [100 + (i + j) % 500 for j in range(new)]) for i, new in shape]
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        lm.forward_new(batch, keep_rows=[new] * sessions)
+        lm.forward_new(batch, keep_rows=[new for _, new in shape])
         seconds.append(time.perf_counter() - started)
-        for i in range(sessions):
+        for i, _ in shape:
             lm.truncate(f"s{i}", PREFIX_TOKENS)
     return statistics.median(seconds)
 
@@ -154,9 +158,9 @@ def main() -> int:
         for i in range(16):
             lm.open(f"s{i}", prefix)
     rows: list[dict[str, Any]] = []
-    for shape, (sessions, new) in SHAPES.items():
+    for shape, items in SHAPES.items():
         for name, lm in loaded.items():
-            ms = 1e3 * timed(lm, sessions, new, args.repeats)
+            ms = 1e3 * timed(lm, items, args.repeats)
             rows.append({"engine": name, "shape": shape, "ms": round(ms, 2)})
             print(json.dumps(rows[-1]), flush=True)
     for name, lm in loaded.items():

@@ -11,7 +11,9 @@ engine is a thin owner of one llama.cpp context and nothing of the forward itsel
   tokens each took twice as long with it here;
 - **one ``llama_decode`` per round**: every session's new tokens go into one batch, each
   token tagged with its session's sequence id and position, whatever their lengths
-  (llama.cpp masks each sequence's attention to its own cells);
+  (llama.cpp masks each sequence's attention to its own cells). llama.cpp runs it as one
+  pass over the weights per run of consecutive sequence ids with equal token counts, so
+  a round is padded with throwaway tokens where that saves passes (``llama_passes``);
 - **logits only where asked**: a token's ``logits`` flag is set only for the trailing
   ``keep_rows`` of its item, so the LM head runs on those rows only, and they come back
   as one contiguous float32 block;
@@ -50,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asymspec_engine import llama_passes
 from asymspec_engine.engine import NewTokens
 
 log = logging.getLogger("asymspec.engine")
@@ -147,12 +150,14 @@ class LlamaCppEngine:
         batch_tokens: int = 2048,
         micro_batch_tokens: int = 512,
         prefix_reuse: bool = True,
+        pad_rounds: bool = True,
     ) -> None:
         """``max_sessions``: sessions open at once (each a KV stream); ``session_tokens``:
         the most tokens a session holds (at most the model's trained context);
         ``batch_tokens``: the most tokens one ``llama_decode`` takes (longer prefills go in
         several); ``micro_batch_tokens``: llama.cpp's physical batch (it splits larger ones);
-        ``prefix_reuse``: keep closed sessions' streams for ``adopt_prefix``."""
+        ``prefix_reuse``: keep closed sessions' streams for ``adopt_prefix``; ``pad_rounds``:
+        pad a round where that saves passes (``llama_passes``; off only to measure it)."""
         if not 1 <= max_sessions <= LLAMA_MAX_SEQ:
             raise ValueError(f"max_sessions must be 1..{LLAMA_MAX_SEQ}, got {max_sessions}")
         lib = bindings()
@@ -185,8 +190,10 @@ class LlamaCppEngine:
         self._vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self.max_sessions: int | None = max_sessions
         self.prefix_reuse = prefix_reuse
+        self.pad_rounds = pad_rounds
         self._seq_ids = max_sessions
         self.batch_tokens = batch_tokens
+        self.micro_batch_tokens = int(params.n_ubatch)
         self._threads = threads
         self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
         self._free_seq_ids = list(range(max_sessions))  # a heap: the lowest id goes first
@@ -194,6 +201,7 @@ class LlamaCppEngine:
         self._retained: OrderedDict[int, _Session] = OrderedDict()  # closed; oldest first
         self.forward_calls = 0
         self.reused_tokens = 0  # prompt tokens taken from closed sessions' streams
+        self.padding_tokens = 0  # throwaway tokens that saved passes (``llama_passes``)
         log.info(
             "llama.cpp engine: %s, %d sessions of up to %d tokens, %d threads",
             self.path.name,
@@ -411,21 +419,41 @@ class LlamaCppEngine:
         total = sum(counts)
         if total > self.batch_tokens:
             raise ValueError(f"{total} tokens in one forward; the engine takes {self.batch_tokens}")
-        # llama.cpp splits a batch over several KV streams into one pass per run of
-        # consecutive, increasing sequence ids (``split_equal``): in the caller's order 16
-        # sessions could take 16 passes over the weights. In id order, and with the lowest
-        # free ids handed out first, they take one.
+        # llama.cpp splits a batch over KV streams into one pass per run of consecutive
+        # sequence ids (``llama_passes``): in the caller's order 16 sessions could take 16
+        # passes over the weights. In id order, with the lowest free ids handed out first
+        # and the round padded where a pass costs more than the padding, they take one.
         order = sorted(range(len(batch)), key=lambda i: sessions[i].seq_id or 0)
+        runs = [(sessions[i].seq_id or 0, counts[i]) for i in order]
+        lengths = self._stream_lengths()
+        ends = {seq_id: lengths.get(seq_id, 0) + n_new for seq_id, n_new in runs}
+        ends = lengths | ends  # where each stream's real tokens end after this batch
+        padding = (
+            llama_passes.plan(
+                runs,
+                lambda seq_id: self.session_tokens - ends.get(seq_id, 0),
+                self.micro_batch_tokens,
+                self.batch_tokens,
+            )
+            if self.pad_rounds
+            else llama_passes.NO_PADDING
+        )
         self._fill_batch(
             [batch[i] for i in order],
             [sessions[i] for i in order],
             [counts[i] for i in order],
             [keeps[i] for i in order],
+            padding,
+            ends,
         )
         status = self._lib.llama_decode(self._ctx, self._batch)
         if status != 0:
             # 1: no free KV cells; the cache is as before the call (llama.h)
             raise RuntimeError(f"llama_decode returned {status}")
+        self.padding_tokens += padding.rows
+        for seq_id in padding.tokens:  # the throwaway tokens go
+            if not self._lib.llama_memory_seq_rm(self._memory, seq_id, ends.get(seq_id, 0), -1):
+                raise RuntimeError(f"llama.cpp could not roll stream {seq_id} back")
         for session, (_, new_ids) in zip(sessions, batch, strict=True):
             session.token_ids.extend(int(t) for t in new_ids)
         self.forward_calls += 1
@@ -442,30 +470,52 @@ class LlamaCppEngine:
             out[i] = in_order[position]
         return out
 
+    def _stream_lengths(self) -> dict[int, int]:
+        """Tokens held per stream that holds any (open and closed sessions alike)."""
+        held = list(self._sessions.values()) + list(self._retained.values())
+        return {
+            session.seq_id: len(session.token_ids) for session in held if session.seq_id is not None
+        }
+
     def _fill_batch(
         self,
         batch: Sequence[NewTokens],
         sessions: list[_Session],
         counts: list[int],
         keeps: list[int],
+        padding: llama_passes.Padding,
+        ends: dict[int, int],
     ) -> None:
-        """Lay every item's tokens end to end in the reusable llama_batch."""
-        total = sum(counts)
+        """Lay every item's tokens, then its padding, end to end in the reusable llama_batch,
+        with the gap streams' throwaway runs in between, in ascending sequence ids."""
         b = self._batch
         tokens = np.ctypeslib.as_array(b.token, shape=(self.batch_tokens,))
         positions = np.ctypeslib.as_array(b.pos, shape=(self.batch_tokens,))
         n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.batch_tokens,))
         wants = np.ctypeslib.as_array(b.logits, shape=(self.batch_tokens,))
-        row = 0
+        # (sequence id, first position, token ids, rows wanted at the end)
+        segments: list[tuple[int, int, Sequence[int] | np.ndarray, int]] = []
+        items = set()
         for (_, new_ids), session, n_new, keep in zip(batch, sessions, counts, keeps, strict=True):
-            start = len(session.token_ids)
-            tokens[row : row + n_new] = new_ids
-            positions[row : row + n_new] = np.arange(start, start + n_new)
-            wants[row : row + n_new - keep] = 0
-            wants[row + n_new - keep : row + n_new] = 1
             assert session.seq_id is not None  # given one before the batch is filled
-            for i in range(row, row + n_new):
-                b.seq_id[i][0] = session.seq_id
-            row += n_new
-        n_seq[:total] = 1
-        b.n_tokens = total
+            items.add(session.seq_id)
+            segments.append((session.seq_id, len(session.token_ids), new_ids, keep))
+            extra = padding.tokens.get(session.seq_id, 0)
+            if extra:
+                segments.append((session.seq_id, len(session.token_ids) + n_new, [0] * extra, 0))
+        for seq_id, extra in padding.tokens.items():
+            if seq_id not in items:
+                segments.append((seq_id, ends.get(seq_id, 0), [0] * extra, 0))
+        segments.sort(key=lambda segment: (segment[0], segment[1]))
+        row = 0
+        for seq_id, start, ids, keep in segments:
+            n = len(ids)
+            tokens[row : row + n] = ids
+            positions[row : row + n] = np.arange(start, start + n)
+            wants[row : row + n - keep] = 0
+            wants[row + n - keep : row + n] = 1
+            for i in range(row, row + n):
+                b.seq_id[i][0] = seq_id
+            row += n
+        n_seq[:row] = 1
+        b.n_tokens = row

@@ -292,3 +292,29 @@ def test_without_prefix_reuse_a_closed_session_keeps_nothing(tiny_gguf: Path) ->
     lm.close("round1")
     lm.open("round2", [*first_round, *lm_tokens_after(first_round)])
     assert lm.reused_tokens == 0
+
+
+def test_a_padded_round_computes_the_rows_of_each_session_alone_and_keeps_every_stream(
+    tiny_gguf: Path,
+) -> None:
+    """Sessions on ids 0, 1, 3, 4 with blocks of 1, 2, 1 and 2 tokens (three passes as
+    they are): the round goes in one, with a throwaway token after each short block and
+    two in the idle session's stream between; every row is the one each session computes
+    alone, and every stream (the idle ones too) then goes on as if it had not been padded."""
+    batched, alone = _engine(tiny_gguf), _engine(tiny_gguf)
+    for i in range(6):
+        batched.open(f"s{i}", _tokens(80 + i, 5 + i))
+        alone.open(f"s{i}", _tokens(80 + i, 5 + i))
+    news = {0: _tokens(90, 1), 1: _tokens(91, 2), 3: _tokens(93, 1), 4: _tokens(94, 2)}
+    keep = {0: 1, 1: 2, 3: 1, 4: 1}
+    rows = batched.forward_new([(f"s{i}", new) for i, new in news.items()], list(keep.values()))
+    assert batched.padding_tokens == 4
+    for (i, new), got in zip(news.items(), rows, strict=True):
+        (single,) = alone.forward_new([(f"s{i}", new)], keep_rows=[keep[i]])
+        assert (got - single).abs().max() <= TOLERANCE
+    for i in range(6):  # every stream holds its real tokens only
+        assert batched.length(f"s{i}") == alone.length(f"s{i}")
+        follow = _tokens(100 + i, 2)
+        (got,) = batched.forward_new([(f"s{i}", follow)])
+        (single,) = alone.forward_new([(f"s{i}", follow)])
+        assert (got - single).abs().max() <= TOLERANCE
