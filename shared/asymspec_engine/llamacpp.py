@@ -76,6 +76,11 @@ _backend_lock = threading.Lock()
 _log_callback_ref: object = None  # llama.cpp keeps the C pointer: keep its Python object alive
 
 
+def _worth_copying(shared: int, held: int) -> bool:
+    """Whether copying a whole ``held``-token state costs less than prefilling ``shared``."""
+    return shared * COPY_TOKENS_PER_PREFILL_TOKEN >= held
+
+
 def llama_cpp_available() -> bool:
     """Whether llama.cpp's Python bindings import (``make install`` builds them)."""
     try:
@@ -112,6 +117,15 @@ class _Session:
     seq_id: int | None = None
     token_ids: list[int] = field(default_factory=list)
     scope: str = ""  # whose closed sessions it may reuse (the cloud: one edge's)
+
+
+@dataclass
+class _Saved:
+    """A closed session's cells kept in host memory after its stream went to another."""
+
+    token_ids: list[int]
+    scope: str
+    state: ctypes.Array[ctypes.c_ubyte]  # llama_state_seq_get_data's bytes
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -151,12 +165,15 @@ class LlamaCppEngine:
         micro_batch_tokens: int = 512,
         prefix_reuse: bool = True,
         pad_rounds: bool = True,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         """``max_sessions``: sessions open at once (each a KV stream); ``session_tokens``:
         the most tokens a session holds (at most the model's trained context);
         ``batch_tokens``: the most tokens one ``llama_decode`` takes (longer prefills go in
         several); ``micro_batch_tokens``: llama.cpp's physical batch (it splits larger ones);
-        ``prefix_reuse``: keep closed sessions' streams for ``adopt_prefix``; ``pad_rounds``:
+        ``prefix_reuse``: keep closed sessions' streams for ``adopt_prefix``;
+        ``prefix_cache_bytes``: host memory for closed sessions' cells once their streams are
+        needed (as llama-server's ``--cache-ram``; 0: none); ``pad_rounds``:
         pad a round where that saves passes (``llama_passes``; off only to measure it)."""
         if not 1 <= max_sessions <= LLAMA_MAX_SEQ:
             raise ValueError(f"max_sessions must be 1..{LLAMA_MAX_SEQ}, got {max_sessions}")
@@ -191,6 +208,10 @@ class LlamaCppEngine:
         self.max_sessions: int | None = max_sessions
         self.prefix_reuse = prefix_reuse
         self.pad_rounds = pad_rounds
+        self.prefix_cache_bytes = prefix_cache_bytes if prefix_reuse else 0
+        self._saved: OrderedDict[int, _Saved] = OrderedDict()  # oldest first
+        self._saved_ids = 0
+        self.saved_bytes = 0
         self._seq_ids = max_sessions
         self.batch_tokens = batch_tokens
         self.micro_batch_tokens = int(params.n_ubatch)
@@ -287,7 +308,9 @@ class LlamaCppEngine:
         copy of the closed session's cells, cut to the shared prefix (``_copy_prefix``): the
         closed conversation keeps its cache for its own next round. With no stream free,
         the new session costs some closed session its stream anyway: the best match gives
-        it up."""
+        it up. A closed session whose stream went to another has its cells kept in host
+        memory (``prefix_cache_bytes``), from where a later session that shares more than
+        any stream does gets a copy (``_restore``)."""
         session = self._session(session_id)
         if session.token_ids:
             raise ValueError(f"session {session_id!r} is not empty: it cannot adopt a prefix")
@@ -301,15 +324,24 @@ class LlamaCppEngine:
             if not self._free_seq_ids or shared >= MOSTLY_SHARED * shorter:
                 if shared > best_len:
                     best, best_len = closed, shared
-            elif shared > copied_len and shared * COPY_TOKENS_PER_PREFILL_TOKEN >= len(
-                closed.token_ids
-            ):
+            elif shared > copied_len and _worth_copying(shared, len(closed.token_ids)):
                 copied, copied_len = closed, shared
+        saved_key, saved_len = None, 0  # the saved cells to copy from
+        for key, saved in self._saved.items():
+            shared = (
+                common_prefix(saved.token_ids, token_ids) if saved.scope == session.scope else 0
+            )
+            if shared > saved_len and _worth_copying(shared, len(saved.token_ids)):
+                saved_key, saved_len = key, shared
+        if saved_key is not None and saved_len > max(best_len, copied_len, MIN_REUSE_TOKENS - 1):
+            return self._restore(session, saved_key, saved_len)
         if copied is not None and copied_len > best_len and copied_len >= MIN_REUSE_TOKENS:
             return self._copy_prefix(session, copied, copied_len)
         if best is None or best_len < MIN_REUSE_TOKENS:
             return 0
         assert best.seq_id is not None  # a retained session held tokens
+        if len(best.token_ids) - best_len >= MIN_REUSE_TOKENS:
+            self._save(best)  # what the new session cuts off stays for its own next round
         del self._retained[best.seq_id]
         if not self._lib.llama_memory_seq_rm(self._memory, best.seq_id, best_len, -1):
             self._drop(best.seq_id)
@@ -327,22 +359,65 @@ class LlamaCppEngine:
         state (``llama_state_seq_get_data``, then ``_set_data`` and a rollback), so the
         cost grows with the closed session's length, not the prefix's."""
         assert closed.seq_id is not None  # a retained session held tokens
-        if session.seq_id is None:
-            session.seq_id = self._take_seq_id()
-        lib, size = self._lib, self._lib.llama_state_seq_get_size(self._ctx, closed.seq_id)
-        state = (ctypes.c_ubyte * size)()
-        copied = (
-            lib.llama_state_seq_get_data(self._ctx, state, size, closed.seq_id) == size
-            and lib.llama_state_seq_set_data(self._ctx, state, size, session.seq_id) != 0
-            and lib.llama_memory_seq_rm(self._memory, session.seq_id, length, -1)
-        )
-        if not copied:
-            lib.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+        state = self._state(closed.seq_id)
+        if state is None or not self._load(session, state, length):
             return 0
         session.token_ids = closed.token_ids[:length]
         self._retained.move_to_end(closed.seq_id)  # it was of use: the last to give up
         self.reused_tokens += length
         return length
+
+    def _restore(self, session: _Session, key: int, length: int) -> int:
+        """Give an empty session the first ``length`` cells of a saved closed session."""
+        saved = self._saved[key]
+        if not self._load(session, saved.state, length):
+            return 0
+        session.token_ids = saved.token_ids[:length]
+        self._saved.move_to_end(key)  # it was of use: the last to go
+        self.reused_tokens += length
+        return length
+
+    def _state(self, seq_id: int) -> ctypes.Array[ctypes.c_ubyte] | None:
+        """A stream's cells as bytes (``llama_state_seq_get_data``), None if refused."""
+        size = self._lib.llama_state_seq_get_size(self._ctx, seq_id)
+        state = (ctypes.c_ubyte * size)()
+        if self._lib.llama_state_seq_get_data(self._ctx, state, size, seq_id) != size:
+            return None
+        return state
+
+    def _load(self, session: _Session, state: ctypes.Array[ctypes.c_ubyte], length: int) -> bool:
+        """Load a stream's bytes into the session's own stream, cut to ``length`` cells."""
+        if session.seq_id is None:
+            session.seq_id = self._take_seq_id()
+        loaded = self._lib.llama_state_seq_set_data(
+            self._ctx, state, len(state), session.seq_id
+        ) != 0 and self._lib.llama_memory_seq_rm(self._memory, session.seq_id, length, -1)
+        if not loaded:
+            self._lib.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+        return bool(loaded)
+
+    def _save(self, closed: _Session) -> None:
+        """Keep a closed session's cells in host memory as its stream goes to another, the
+        least recently used saved ones given up to stay within ``prefix_cache_bytes``; one
+        whose tokens begin a newer one's is dropped for it."""
+        if not self.prefix_cache_bytes or closed.seq_id is None:
+            return
+        state = self._state(closed.seq_id)
+        if state is None or len(state) > self.prefix_cache_bytes:
+            return
+        for key, saved in list(self._saved.items()):
+            if saved.scope == closed.scope and (
+                common_prefix(saved.token_ids, closed.token_ids) == len(saved.token_ids)
+            ):
+                self._forget(key)
+        while self.saved_bytes + len(state) > self.prefix_cache_bytes:
+            self._forget(next(iter(self._saved)))
+        self._saved_ids += 1
+        self._saved[self._saved_ids] = _Saved(list(closed.token_ids), closed.scope, state)
+        self.saved_bytes += len(state)
+
+    def _forget(self, key: int) -> None:
+        self.saved_bytes -= len(self._saved.pop(key).state)
 
     def close(self, session_id: str, retain: bool = True) -> None:
         """End a session (idempotent); its stream is kept for ``adopt_prefix`` unless
@@ -360,7 +435,8 @@ class LlamaCppEngine:
         if self._free_seq_ids:
             return heapq.heappop(self._free_seq_ids)
         if self._retained:
-            seq_id, _ = self._retained.popitem(last=False)
+            seq_id, closed = self._retained.popitem(last=False)
+            self._save(closed)
             self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
             return seq_id
         raise RuntimeError(f"the engine holds at most {self.max_sessions} sessions at once")

@@ -150,6 +150,7 @@ class EngineOptions:
     max_sessions: int = 16
     session_tokens: int = 4096
     prefix_reuse: bool = True  # llama.cpp: keep closed sessions' streams (adopt_prefix)
+    prefix_cache_bytes: int = 0  # llama.cpp: host memory for closed sessions' cells
 
 
 def load_session_lm(
@@ -169,6 +170,7 @@ def load_session_lm(
             max_sessions=options.max_sessions,
             session_tokens=options.session_tokens,
             prefix_reuse=options.prefix_reuse,
+            prefix_cache_bytes=options.prefix_cache_bytes,
         )
         return lm, load_tokenizer(name_or_path, choice.gguf)
     precision = options.precision or resolve_precision("auto", device)

@@ -61,6 +61,12 @@ class RuntimeSettings(BaseSettings):
         description="llama.cpp: keep closed sessions' KV streams, so that a new session "
         "sharing one's prefix (an agent's next round) is prefilled only past it.",
     )
+    prefix_cache_mib: int = Field(
+        2048,
+        ge=0,
+        description="llama.cpp: host memory (MiB) for closed sessions' KV cells once their "
+        "streams go to new sessions, as llama-server's --cache-ram; 0 = off.",
+    )
     colocated: bool = Field(
         False,
         validation_alias=AliasChoices("ASYMSPEC_COLOCATED", "colocated"),
@@ -113,6 +119,7 @@ class RuntimeSettings(BaseSettings):
             max_sessions=self.max_sessions,
             session_tokens=self.session_tokens,
             prefix_reuse=self.prefix_reuse,
+            prefix_cache_bytes=self.prefix_cache_mib << 20,
         )
         # the engine this resolves to is logged with its reason when it loads
         log.info(

@@ -294,6 +294,54 @@ def test_without_prefix_reuse_a_closed_session_keeps_nothing(tiny_gguf: Path) ->
     assert lm.reused_tokens == 0
 
 
+def test_a_closed_session_whose_stream_is_taken_is_restored_from_host_memory(
+    tiny_gguf: Path, reference: torch.nn.Module
+) -> None:
+    """Two streams, three conversations: the first one's stream goes to the third, its
+    cells to host memory, and its next round is prefilled only past them, with the rows
+    the reference computes; without host memory it is prefilled whole."""
+    for cache_bytes, reused in ((64 << 20, 40), (0, 0)):
+        lm = _engine(tiny_gguf, max_sessions=2, prefix_cache_bytes=cache_bytes)
+        first = _tokens(110, 40)
+        lm.open("first", first, scope="edge-1")
+        lm.close("first")
+        lm.open("live", _tokens(111, 30), scope="edge-1")
+        lm.open("third", _tokens(112, 30), scope="edge-1")  # takes the first one's stream
+        assert (lm.saved_bytes > 0) == (cache_bytes > 0)
+        lm.close("third", retain=False)
+        next_round = [*first, *lm_tokens_after(first)]
+        last = lm.open("first-round2", next_round, scope="edge-1")
+        assert lm.reused_tokens == reused
+        assert last is not None
+        assert (last - full_logits(reference, next_round)[-1]).abs().max() <= TOLERANCE
+        assert lm.token_ids("first-round2") == next_round
+
+
+def test_host_memory_keeps_the_most_recent_within_its_budget_and_scope(tiny_gguf: Path) -> None:
+    one_stream = _engine(tiny_gguf, max_sessions=1, prefix_cache_bytes=64 << 20)
+    one_stream.open("probe", _tokens(120, 40))
+    one_stream.close("probe")
+    one_stream.open("evicts", _tokens(121, 40))  # the probe's cells go to host memory
+    size = one_stream.saved_bytes
+    assert size > 0
+    lm = _engine(tiny_gguf, max_sessions=1, prefix_cache_bytes=size + size // 2)
+    chats = [_tokens(130 + i, 40) for i in range(3)]
+    for i, chat in enumerate(chats):  # each takes the last one's stream; one fits in memory
+        lm.open(f"c{i}", chat, scope="edge-1")
+        lm.close(f"c{i}")
+    lm.open("other", _tokens(140, 40), scope="edge-1")  # c2 goes to host memory
+    lm.close("other", retain=False)
+    assert lm.saved_bytes <= size + size // 2
+    lm.open("again-c0", [*chats[0], 7], scope="edge-1")  # given up for a newer one
+    assert lm.reused_tokens == 0
+    lm.close("again-c0", retain=False)
+    lm.open("again-c2-elsewhere", [*chats[2], 7], scope="edge-2")  # never another scope's
+    assert lm.reused_tokens == 0
+    lm.close("again-c2-elsewhere", retain=False)
+    lm.open("again-c2", [*chats[2], 7], scope="edge-1")
+    assert lm.reused_tokens == 40
+
+
 def test_a_padded_round_computes_the_rows_of_each_session_alone_and_keeps_every_stream(
     tiny_gguf: Path,
 ) -> None:
