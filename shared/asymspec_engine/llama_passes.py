@@ -7,9 +7,9 @@ sequence ids that all add the *same* number of tokens (so that each stream's att
 one view). Every micro-batch is a pass over the weights. A round of decode steps whose
 sessions hold ids 0, 2, 3, 5 is then three passes, not one; a verify round whose blocks
 are 1 to 5 tokens long is up to five. On 2 cores of an EPYC (the embedded target in Q8_0,
-``loadtest/results/forward-cost/``): ten one-token steps on scattered ids took 76.8 ms
-against 34.1 ms on consecutive ids, and sixteen blocks of 1 to 5 tokens (46 rows) 242.8 ms
-against 145.4 ms for sixteen blocks of 5 (80 rows).
+``loadtest/results/forward-cost/``): ten one-token steps on streams with gaps between took
+73.5 ms as they were and 38.4 ms padded (sixteen on consecutive streams: 35.8 ms), and
+sixteen blocks of 1 to 5 tokens (46 rows) 242.0 ms as they were and 158.0 ms padded.
 
 A pass costs about as much as ``PASS_ROWS`` rows, so a round is cheaper padded: the shorter
 items get throwaway tokens up to a common length, and the streams between the round's
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # What one more pass over the weights costs, in rows: on 2 EPYC cores one decode step took
-# 7.1 ms and sixteen in one pass 35.9 ms (a pass ~5.2 ms, a row ~1.9 ms); steps split over
-# runs of ids cost more than that (76.8 ms for ten in seven passes). Three rows leans to
+# 6.5 ms and sixteen in one pass 35.8 ms (a pass ~4.5 ms, a row ~1.9 ms); steps split over
+# runs of streams cost more than that (73.5 ms for ten in seven passes). Three rows leans to
 # fewer passes.
 PASS_ROWS = 3
 
