@@ -55,9 +55,12 @@ cycle by the wall-clock line of suffix blocks' times in their rows
 (``mode_rates.ModeRates``). Otherwise, and beside other requests (whose rounds a block's
 rows slow too, which its own time does not show), by the formulas above (``draft_s = 0``),
 unless suffix blocks have measurably given requests at that batch size less than the
-alternative did (``ModeRates.suffix_pays``): the formulas leave out the switch a paused
-request makes (the cloud stops its generation, verifies the block, starts another), which
-at eight agent conversations on 2 cores cost ~240 ms for a 3-token block.
+alternative did (``ModeRates.suffix_pays``). A paused request beside others that the
+cloud decodes prices its block for the batch (``_paused_suffix_tokens``): the others'
+tokens in the longer round count too, and so does the switch it makes (the cloud stops
+its generation, verifies the block, starts another). Priced for the request alone, eight
+greedy agent conversations on 2 cores took 149 suffix blocks of 3.97 tokens and made
+0.67× target-only; priced for the batch, 27 of 7.63 tokens and 0.83×.
 The P_i are the suffix index's frequency estimates (a context seen once says 1.0) scaled
 per position by α_s^i, the acceptance measured on suffix blocks, so that a rule fed by
 optimistic counts learns what they are worth.
@@ -73,6 +76,11 @@ from asymspec.wire import TargetCost
 from edge_gateway.mode_rates import BlockTimes, ModeRates
 
 _MIN_BLOCKS = 8.0  # (weighted) blocks seen before α is trusted
+
+
+# Rounds a paused request goes without a token when it takes a suffix block beside others:
+# its generation's stop, and its next one's start (each about a round).
+SWITCH_ROUNDS = 2
 
 
 @dataclass(slots=True)
@@ -144,6 +152,8 @@ class GoodputDraftLength:
             return len(probs) if clears_bar else 0
         elif self.measured.suffix_pays(batch, speculating) is False:
             return 0  # the model's price, overruled by what suffix blocks gave requests here
+        elif batch > 1 and not speculating:
+            return _paused_suffix_tokens(self.target_cost, batch, probs)
         else:
             cost = self.target_cost
             cycles_s = [self._cycle_s(cost, batch, k, 0.0) for k in range(1, len(probs) + 1)]
@@ -239,3 +249,24 @@ class GoodputDraftLength:
             verify_s = cost.base_s + cost.row_s * group * (gamma + 1)
             return verify_s + max(verify_s, drafting_s)
         return max(cost.base_s + cost.row_s * batch * (gamma + 1), drafting_s)
+
+
+def _paused_suffix_tokens(cost: TargetCost, batch: int, probs: Sequence[float]) -> int:
+    """A paused request's suffix block beside ``batch - 1`` requests that the cloud decodes:
+    the first k of its proposal where that gives the batch the most tokens per second, 0
+    where the cloud decoding all of them gives more. The batch, not the request: the
+    block's k + 1 rows lengthen the round every other request waits for, which the
+    request's own rate does not show. The request's generation stops for the block and
+    starts again after it: ``SWITCH_ROUNDS`` rounds in which only the others get a token."""
+    others = batch - 1
+    decode_s = cost.base_s + cost.row_s * batch
+    switch_s = SWITCH_ROUNDS * (cost.base_s + cost.row_s * others)
+    alternative = batch / decode_s
+    expected, best_k, best_rate = 1.0, 0, alternative
+    for k, p in enumerate(probs, start=1):
+        expected += p
+        tokens = others + expected + SWITCH_ROUNDS * others
+        rate = tokens / (cost.base_s + cost.row_s * (batch + k) + switch_s)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k

@@ -232,8 +232,8 @@ def test_a_lone_requests_suffix_block_is_priced_as_measured_once_it_is() -> None
         policy.measured.observe(batch, speculating=False, n_tokens=32, seconds=0.32)
     assert policy.suffix_tokens([1.0] * 32, 1, speculating=False) == 15  # 252 tokens/s
     assert policy.suffix_tokens([0.4], 1, speculating=False) == 0  # 1.35 / 0.021 = 64.3
-    # the model's rounds of four such blocks, both sides measured at batch 4 or not
-    assert policy.suffix_tokens([1.0] * 32, 4, speculating=False) == 4
+    # beside three others the model prices it for the batch (``_paused_suffix_tokens``)
+    assert policy.suffix_tokens([1.0] * 32, 4, speculating=False) == 7
 
 
 def test_what_suffix_blocks_gave_requests_overrules_the_models_price() -> None:
@@ -259,3 +259,17 @@ def test_suffix_acceptance_discounts_the_frequency_estimates() -> None:
     assert policy.suffix_tokens([1.0] * 8, 1, speculating=True) == 0  # Σ (2/3)^i = 1.92
     policy.min_suffix_expected = 1.5
     assert policy.suffix_tokens([1.0] * 8, 1, speculating=True) == 8
+
+
+def test_a_paused_requests_suffix_block_beside_others_is_priced_for_the_batch() -> None:
+    """Eight requests the cloud decodes at 0.015 + 0.0019 × 8 s a round: 265 tokens/s.
+    A doubtful two-token block would give its own request 2.4 tokens in a round of 0.0357 s
+    beside the others' steps (more than its 33 tokens/s alone), but its rows lengthen the
+    round all eight wait for, and its generation's stop and restart leave it out of two
+    rounds: the batch gets 23.4 tokens in 0.0906 s, 258 tokens/s, so it is not taken. A
+    sure sixteen-token copy gives the batch 38 tokens in 0.1172 s, 324 tokens/s."""
+    policy = GoodputDraftLength(max_gamma=8, half_life_blocks=math.inf)
+    policy.target_cost = COMPUTE_BOUND
+    assert policy.suffix_tokens([0.9, 0.5], 8, speculating=False) == 0
+    assert policy.suffix_tokens([1.0] * 16, 8, speculating=False) == 16
+    assert policy.suffix_tokens([0.9, 0.5], 1, speculating=False) == 2  # alone it pays
