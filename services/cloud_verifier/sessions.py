@@ -80,7 +80,7 @@ class Session:
     prompt_len: int = field(init=False)
     digest: int = field(init=False)
     rng: np.random.Generator = field(init=False)  # the cloud's uniforms for this request
-    generator: torch.Generator = field(init=False)  # target-only sampling
+    generator: torch.Generator = field(init=False)  # the tokens it samples alone
     last_seq: int = 0
     last_block: BlockId | None = None
     last_result: VerifyResult | None = None
@@ -99,7 +99,11 @@ class Session:
         self.prompt_len = len(self.confirmed)
         self.digest = config_digest(c)
         self.rng = np.random.default_rng([c.seed, 1])
-        self.generator = torch.Generator().manual_seed(c.seed % 2**63)
+        # Not the seed itself: the edge draws its drafts and acceptances from a generator
+        # seeded with it, and a request that goes on from the cloud's tokens to blocks
+        # would draw them with the uniforms that picked its earlier tokens.
+        state = np.random.SeedSequence([c.seed, 2]).generate_state(1, np.uint64)
+        self.generator = torch.Generator().manual_seed(int(state[0]) % 2**63)
 
     @property
     def key(self) -> str:
