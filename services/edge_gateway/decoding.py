@@ -58,6 +58,8 @@ from edge_gateway.scheduler import DraftScheduler
 from edge_gateway.settings import EdgeSettings
 
 _NO_TAIL = np.zeros(0, dtype=np.uint32)
+# Why a speculating request's first token is the cloud's own (`Mode.first_token_from_prefill`)
+FIRST_TOKEN = "first_token"
 
 
 def _seed(request: GenerationRequest) -> int:
@@ -306,14 +308,18 @@ class _RequestState:
         # (eight agent conversations on one 2-core machine: 0.78x target-only with it, 0.88x
         # without); the draft catches up if the request drafts later. Unless a suffix block
         # goes first, it asks for its tokens right behind the open, as target-only does:
-        # the first token then costs one trip to the cloud and back, not two.
+        # the first token then costs one trip to the cloud and back, not two. A request
+        # that speculates asks for its first token so (`first_token_from_prefill`): the
+        # first block would otherwise hold it up by a drafting and a verify trip.
         paused = self._pause_reason()
-        suffix_first = (
-            paused is not None
-            and self._takes_suffix_blocks
-            and bool(self._suffix_tokens(self.request.max_new_tokens, speculating=False))
+        suffix_first = self._takes_suffix_blocks and bool(
+            self._suffix_tokens(self.request.max_new_tokens, speculating=paused is None)
         )
-        opening = asyncio.ensure_future(self.open(None if suffix_first else paused))
+        asks: str | None = None
+        if not suffix_first:
+            first_token = paused is None and self.engine.mode.first_token_from_prefill
+            asks = FIRST_TOKEN if first_token else paused
+        opening = asyncio.ensure_future(self.open(asks))
         drafting = asyncio.ensure_future(
             scheduler.open(self.key, self.confirmed, prefill=paused is None)
         )
@@ -329,7 +335,8 @@ class _RequestState:
         while it opens is retried on another (or the same, back) until `cloud_deadline_s`
         from the first try has passed; after that the request fails with ChannelDown.
         ``paused``: why the request's first tokens are the cloud's own, which it then asks
-        for right behind the open (`generation_sent`)."""
+        for right behind the open (`generation_sent`): all of them, or with `FIRST_TOKEN`
+        the first alone."""
         engine = self.engine
         deadline_s = time.monotonic() + engine.settings.cloud_deadline_s
         while True:
@@ -342,7 +349,8 @@ class _RequestState:
             then = None
             if paused is not None:
                 channel.stream(self.session_id)  # its tokens may come before the open's reply
-                then = self._generate_request(self.request.max_new_tokens - self.produced)
+                remaining = self.request.max_new_tokens - self.produced
+                then = self._generate_request(1 if paused == FIRST_TOKEN else remaining)
             try:
                 opened = await channel.open_session(message, then)
                 if opened.target_cost is not None:
@@ -427,7 +435,10 @@ class _RequestState:
             decoded = self._cloud_decoded(remaining, paused, sent=sent is not None)
             async with contextlib.aclosing(decoded) as tokens:  # its stream ends with it
                 async for token in tokens:
-                    self._measure(False, 1)
+                    if paused == FIRST_TOKEN:  # the prefill's, no decoding rate
+                        self.output_s = time.perf_counter()
+                    else:
+                        self._measure(False, 1)
                     yield [token]
             return
         gamma = self._next_gamma()
@@ -557,8 +568,9 @@ class _RequestState:
                 _note_logprobs(self.request, frame)
                 for token in (int(t) for t in frame.tokens):
                     self._confirm([token])
-                    metrics.cloud_decoded_tokens.inc()
-                    self.request.stats.record_paused(paused, 1)
+                    if paused != FIRST_TOKEN:  # the prefill's token is no pause
+                        metrics.cloud_decoded_tokens.inc()
+                        self.request.stats.record_paused(paused, 1)
                     yield token
                 max_tokens -= len(frame.tokens)
                 unseen += len(frame.tokens)

@@ -37,7 +37,8 @@ class SpecStats:
     # "request" (num_draft_tokens 0), "logprobs" (asked for the target's log-probabilities),
     # "batch_size" (speculative_disable_by_batch_size),
     # "goodput" (the goodput rule's pause), "draft_catching_up" (the draft being fed what it
-    # missed while the request did not draft). Empty: the request speculated throughout.
+    # missed while the request did not draft). Empty: the request speculated throughout (its
+    # first token may still be the cloud's, sampled from the prefill: no pause).
     paused_tokens: dict[str, int] = field(default_factory=dict)
     # Why a block held fewer drafts than the request pinned, in blocks: "max_tokens" (the
     # tokens left), "draft_stopped" (the draft ended it early: stop_confidence or a stop token)

@@ -72,6 +72,14 @@ class Mode:
         return self.scheduling == "pipeline"
 
     @property
+    def first_token_from_prefill(self) -> bool:
+        """The cloud samples a speculating request's first token from its prompt's last
+        row, sent down behind the open, so the first token costs one trip to the cloud, as
+        target-only's does; the first block drafts from it. The system and its ablations;
+        the baselines draft their first token as the systems they stand for do."""
+        return self.uplink == "compact"
+
+    @property
     def drafts_in_rounds(self) -> bool:
         """Synchronous rounds: draft every active request, send, wait for all results."""
         return self.scheduling in ("sync", "runahead")

@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from asymspec.modes import get_mode
 from loadtest.processes import Service
 from tests.services.test_e2e import SPECULATIVE, edges, feature_draft, pair  # noqa: F401 - module fixtures
 
@@ -106,6 +107,25 @@ def test_stats_add_up_to_the_edge_counters(edges: dict[str, Service], mode: str)
         increase = after.get(key, 0.0) - before.get(key, 0.0)
         per_request = [s["num_accepted_tokens_per_pos"] for s in stats]
         assert sum(p[position] for p in per_request if position < len(p)) == increase
+
+
+@pytest.mark.parametrize("mode", SPECULATIVE)
+def test_a_speculating_requests_first_token_is_sampled_from_its_prefill(
+    edges: dict[str, Service],  # noqa: F811
+    mode: str,
+) -> None:
+    """The system's own modes take the first token from the prompt's last row, sent down
+    behind the open: a one-token request needs no block and no verify trip. The baselines
+    draft it as the systems they stand for do."""
+    body = {"model": "asymspec", "prompt": "Once upon", "max_tokens": 1, "temperature": 0.8,
+            "seed": 11, "ignore_eos": True}  # fmt: skip
+    response = completion(edges[mode], body)
+    stats = response["metrics"]["speculative_decoding"]
+    assert response["usage"]["completion_tokens"] == 1 and stats["paused_tokens"] == {}
+    if get_mode(mode).first_token_from_prefill:
+        assert stats["num_drafts"] == 0 and stats["verify_round_trips"] == 0, stats
+    else:
+        assert stats["num_drafts"] == 1 and stats["verify_round_trips"] == 1, stats
 
 
 def test_official_client_parses_responses_with_stats(edges: dict[str, Service]) -> None:  # noqa: F811
