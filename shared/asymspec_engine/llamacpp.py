@@ -360,21 +360,17 @@ class LlamaCppEngine:
         cost grows with the closed session's length, not the prefix's."""
         assert closed.seq_id is not None  # a retained session held tokens
         state = self._state(closed.seq_id)
-        if state is None or not self._load(session, state, length):
+        if state is None or not self._load(session, state, closed.token_ids, length):
             return 0
-        session.token_ids = closed.token_ids[:length]
         self._retained.move_to_end(closed.seq_id)  # it was of use: the last to give up
-        self.reused_tokens += length
         return length
 
     def _restore(self, session: _Session, key: int, length: int) -> int:
         """Give an empty session the first ``length`` cells of a saved closed session."""
         saved = self._saved[key]
-        if not self._load(session, saved.state, length):
+        if not self._load(session, saved.state, saved.token_ids, length):
             return 0
-        session.token_ids = saved.token_ids[:length]
         self._saved.move_to_end(key)  # it was of use: the last to go
-        self.reused_tokens += length
         return length
 
     def _state(self, seq_id: int) -> ctypes.Array[ctypes.c_ubyte] | None:
@@ -385,8 +381,15 @@ class LlamaCppEngine:
             return None
         return state
 
-    def _load(self, session: _Session, state: ctypes.Array[ctypes.c_ubyte], length: int) -> bool:
-        """Load a stream's bytes into the session's own stream, cut to ``length`` cells."""
+    def _load(
+        self,
+        session: _Session,
+        state: ctypes.Array[ctypes.c_ubyte],
+        token_ids: list[int],
+        length: int,
+    ) -> bool:
+        """Load a stream's bytes (of ``token_ids``) into the session's own stream, cut to
+        ``length`` cells, which the session then holds; False where llama.cpp refused."""
         if session.seq_id is None:
             session.seq_id = self._take_seq_id()
         loaded = self._lib.llama_state_seq_set_data(
@@ -394,7 +397,10 @@ class LlamaCppEngine:
         ) != 0 and self._lib.llama_memory_seq_rm(self._memory, session.seq_id, length, -1)
         if not loaded:
             self._lib.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
-        return bool(loaded)
+            return False
+        session.token_ids = token_ids[:length]
+        self.reused_tokens += length
+        return True
 
     def _save(self, closed: _Session) -> None:
         """Keep a closed session's cells in host memory as its stream goes to another, the
@@ -502,8 +508,8 @@ class LlamaCppEngine:
         order = sorted(range(len(batch)), key=lambda i: sessions[i].seq_id or 0)
         runs = [(sessions[i].seq_id or 0, counts[i]) for i in order]
         lengths = self._stream_lengths()
-        ends = {seq_id: lengths.get(seq_id, 0) + n_new for seq_id, n_new in runs}
-        ends = lengths | ends  # where each stream's real tokens end after this batch
+        # where each stream's real tokens end after this batch
+        ends = lengths | {seq_id: lengths.get(seq_id, 0) + n_new for seq_id, n_new in runs}
         padding = (
             llama_passes.plan(
                 runs,
